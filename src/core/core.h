@@ -1,0 +1,60 @@
+/* core: status, error message, logging, env knobs, checked arithmetic.
+ * Lowest layer; everything else may include it. */
+#ifndef HEP_CORE_H
+#define HEP_CORE_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "hybridep/status.h"
+
+#if defined(__GNUC__)
+#define HEP_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#else
+#define HEP_PRINTF(a, b)
+#endif
+
+/* Set this thread's error message and return status (so: `return hep_fail(...)`). */
+int hep_fail(int status, const char *fmt, ...) HEP_PRINTF(2, 3);
+/* Replace the message without a printf pass (used to carry another rank's text). */
+void hep_set_error_text(const char *text);
+/* Clear the message (at the start of a public call that succeeds). */
+void hep_clear_error(void);
+
+/* ---- logging ---- */
+typedef enum { HEP_LOG_ERROR = 0, HEP_LOG_WARN = 1, HEP_LOG_INFO = 2, HEP_LOG_DEBUG = 3 } hep_log_level;
+void hep_log(int level, const char *fmt, ...) HEP_PRINTF(2, 3);
+int hep_log_enabled(int level);
+/* Tests capture log lines with a sink; NULL restores stderr. */
+typedef void (*hep_log_sink)(void *ctx, int level, const char *line);
+void hep_log_set_sink(hep_log_sink sink, void *ctx);
+
+/* ---- env knobs: all read here, once, into one struct ---- */
+typedef enum { HEP_MR_MODE_AUTO = 0, HEP_MR_MODE_DMABUF = 1, HEP_MR_MODE_LEGACY = 2 } hep_mr_mode;
+typedef struct hep_env {
+    int log_level;          /* HEP_LOG_LEVEL: error|warn|info|debug (default info) */
+    int mr_mode;            /* HEP_GPU_MR_MODE: auto|dmabuf|legacy (default auto) */
+    uint64_t timeout_ms;    /* HEP_TIMEOUT_MS: bound of every wait (default 30000) */
+    const char *nic_map;    /* HEP_NIC_MAP: "gpu:device,..." (default: nearest by PCI) */
+    int gid_index;          /* HEP_IB_GID_INDEX: -1 = pick RoCE v2 automatically */
+    const char *ibverbs_lib;/* HEP_IBVERBS_LIB: path of libibverbs (default libibverbs.so.1) */
+    const char *nic;        /* HEP_NIC: loopback|verbs|auto (default auto) */
+    char errors[512];       /* what could not be parsed, "" if all were fine */
+} hep_env;
+/* The parsed knobs (read on first use). */
+const hep_env *hep_env_get(void);
+/* Read the environment again (tests change variables between cases). */
+const hep_env *hep_env_reload(void);
+
+/* ---- checked arithmetic (1 on overflow) ---- */
+static inline int hep_mul_overflow(size_t a, size_t b, size_t *out)
+{
+    return __builtin_mul_overflow(a, b, out);
+}
+static inline int hep_add_overflow(size_t a, size_t b, size_t *out)
+{
+    return __builtin_add_overflow(a, b, out);
+}
+
+#endif

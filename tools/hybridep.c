@@ -1,0 +1,32 @@
+/* tools/hybridep.c: the `hybridep` command: doctor (and more subcommands). */
+#include <stdio.h>
+#include <string.h>
+
+#include "cli.h"
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: hybridep <command> [options]\n"
+               "commands:\n"
+               "  doctor [--json]   what this machine offers: GPUs, P2P, RDMA devices, which GPU\n"
+               "                    memory registration path works for each GPU and NIC\n");
+}
+
+int cli_usage_error(const char *cmd, const char *arg)
+{
+    fprintf(stderr, "hybridep %s: unknown argument '%s' (see hybridep --help)\n", cmd, arg);
+    return 2;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2 || strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
+        usage(argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    if (strcmp(argv[1], "doctor") == 0)
+        return hep_cmd_doctor(argc - 2, argv + 2);
+    fprintf(stderr, "hybridep: unknown command '%s'\n", argv[1]);
+    usage(stderr);
+    return 2;
+}
