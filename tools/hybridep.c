@@ -9,7 +9,10 @@ static void usage(FILE *f)
     fprintf(f, "usage: hybridep <command> [options]\n"
                "commands:\n"
                "  doctor [--json]   what this machine offers: GPUs, P2P, RDMA devices, which GPU\n"
-               "                    memory registration path works for each GPU and NIC\n");
+               "                    memory registration path works for each GPU and NIC\n"
+               "  plan [--nodes N] [--ranks-per-node R] [--hidden H] [--tokens T]\n"
+               "       [--experts-per-rank E] [--topk K] [--dtype bf16|fp8] [--chunk C] [--json]\n"
+               "                    the buffers a group allocates and the memory per rank\n");
 }
 
 int cli_usage_error(const char *cmd, const char *arg)
@@ -24,6 +27,8 @@ int main(int argc, char **argv)
         usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
     }
+    if (strcmp(argv[1], "plan") == 0)
+        return hep_cmd_plan(argc - 2, argv + 2);
     if (strcmp(argv[1], "doctor") == 0)
         return hep_cmd_doctor(argc - 2, argv + 2);
     fprintf(stderr, "hybridep: unknown command '%s'\n", argv[1]);

@@ -1,0 +1,46 @@
+/* hybridep/bootstrap.h: how the ranks of a group talk before and around the data path.
+ *
+ * A bootstrap is a small table of collective calls that hybridep uses at group creation
+ * (configuration check, exchange of buffer addresses, IPC handles, RDMA connection info)
+ * and at destroy. hybridep provides an in-process one (threads: one process drives all
+ * local GPUs, or several virtual ranks on one GPU) and an MPI one (libhybridep_mpi,
+ * hybridep/bootstrap_mpi.h). Any other (torch.distributed, a job launcher's store) only
+ * has to fill this table.
+ */
+#ifndef HYBRIDEP_BOOTSTRAP_H
+#define HYBRIDEP_BOOTSTRAP_H
+
+#include <stddef.h>
+
+#include "hybridep/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct hep_bootstrap {
+    int rank; /* 0 .. size-1 */
+    int size;
+    void *ctx; /* passed back to every call */
+    /* Every rank contributes `bytes` from send; recv receives size * bytes, rank-major.
+     * 0 or a hep_status (with hep_last_error() set). Must not hang forever. */
+    int (*allgather)(void *ctx, const void *send, void *recv, size_t bytes);
+    int (*barrier)(void *ctx);
+} hep_bootstrap;
+
+/* ---- in-process bootstrap: one thread per rank ---- */
+typedef struct hep_inproc_world hep_inproc_world;
+
+/* A world of `size` ranks in this process. Its collectives wait at most HEP_TIMEOUT_MS
+ * for every rank and then fail with HEP_ERR_TIMEOUT naming the ranks that did not come.
+ * Returns 0 or HEP_ERR_INVALID / HEP_ERR_NOMEM. */
+int hep_inproc_world_create(int size, hep_inproc_world **world);
+/* Fill *bs for `rank` of the world (call from that rank's thread or before starting it). */
+int hep_inproc_bootstrap(hep_inproc_world *world, int rank, hep_bootstrap *bs);
+/* Release the world; no rank may still use it. NULL is accepted. */
+void hep_inproc_world_destroy(hep_inproc_world *world);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

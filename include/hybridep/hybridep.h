@@ -1,0 +1,82 @@
+/* hybridep/hybridep.h: expert-parallel dispatch and combine for Mixture-of-Experts.
+ *
+ * A group is W ranks (W = N nodes x R ranks per node), each driving one GPU or one
+ * virtual rank of a shared GPU. hep_group_create() is collective over a bootstrap
+ * (hybridep/bootstrap.h); it checks that every rank has the same configuration, plans
+ * and allocates all buffers, shares the intra-node ones and, for N > 1, registers the
+ * inter-node ones for RDMA and connects the queue pairs.
+ *
+ * Ownership: the group owns every buffer it plans (see `hybridep plan`); outputs of a
+ * dispatch point into them and stay valid until the next hep_combine on that group.
+ */
+#ifndef HYBRIDEP_HYBRIDEP_H
+#define HYBRIDEP_HYBRIDEP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "hybridep/bootstrap.h"
+#include "hybridep/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum { HEP_DTYPE_BF16 = 0, HEP_DTYPE_FP8_E4M3 = 1 } hep_dtype;
+typedef enum { HEP_BACKEND_GPU = 0, HEP_BACKEND_HOST = 1 } hep_backend;
+
+/* Channels of FP8 data per f32 scale. */
+#define HEP_FP8_BLOCK 128
+
+typedef struct hep_config {
+    int hidden;           /* H: channels per token. BF16: a multiple of 8 (16-byte rows);
+                             FP8: a multiple of 128. 8..65536. No default (0 = unset). */
+    int max_tokens;       /* T: most tokens one rank passes to one call, 1..65536. No default. */
+    int experts_per_rank; /* E_l: 1..1024. No default. Global expert id e lives on rank
+                             e / E_l. */
+    int max_topk;         /* K: most experts per token, 1..32, at most E_l x W. Default 8. */
+    hep_dtype dtype;      /* dispatch payload: BF16 (default) or FP8 E4M3 with one f32 scale
+                             per 128 channels. Combine is always BF16 with f32 accumulation. */
+    int ranks_per_node;   /* R: ranks of one NVLink domain. 0 (default) = the ranks of the
+                             bootstrap that share a host. Must divide W. Virtual nodes: set
+                             R < W on one host and the loopback NIC carries the N > 1 path. */
+    int dispatch_sms;     /* SMs (thread blocks) of one rank's dispatch kernel, 1..132.
+                             Default 16. All co-located ranks of a GPU must fit together. */
+    int combine_sms;      /* likewise for combine. Default 16. */
+    int chunk_tokens;     /* C: tokens per chunk, the unit of signalling, 1..4096. Default 128. */
+    hep_backend backend;  /* GPU kernels (default) or the host backend (host memory, threads;
+                             the reference semantics, and the CPU-only path). */
+} hep_config;
+
+/* Fill *c with the defaults above (the fields without a default are zero). */
+void hep_config_default(hep_config *c);
+/* 0 if *c is valid for a group of `world` ranks (0: check what can be checked without
+ * one), else HEP_ERR_INVALID naming the field, its value and its limits. */
+int hep_config_check(const hep_config *c, int world);
+
+typedef struct hep_group hep_group;
+
+/* Collective over `bs`: every rank calls it with the same configuration. `cuda_device`
+ * is the GPU this rank drives (ignored by the host backend). On failure every rank
+ * returns an error with the failing rank's message; nothing stays allocated. */
+int hep_group_create(const hep_config *cfg, const hep_bootstrap *bs, int cuda_device,
+                     hep_group **out);
+/* Collective. Releases everything in reverse order of creation. NULL is accepted. */
+int hep_group_destroy(hep_group *g);
+
+/* Read-only facts about a created group. */
+typedef struct hep_group_info {
+    int rank, world, nodes, ranks_per_node, node, local_rank;
+    size_t max_recv_rows;       /* capacity of the dispatch outputs, rows */
+    size_t device_bytes;        /* device memory this rank allocated */
+    size_t host_bytes;          /* pinned / mapped host memory this rank allocated */
+    int registrations;          /* RDMA registrations (N > 1) */
+    int dmabuf_registrations;   /* of which took the DMA-BUF path */
+    const char *transport;      /* "none" (N = 1), "loopback" or "verbs" */
+} hep_group_info;
+int hep_group_get_info(const hep_group *g, hep_group_info *info);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

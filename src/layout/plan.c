@@ -1,0 +1,254 @@
+/* layout/plan.c: the buffer plan. */
+#include <stdio.h>
+#include <string.h>
+
+#include "core/core.h"
+#include "layout/plan.h"
+
+void hep_config_default(hep_config *c)
+{
+    memset(c, 0, sizeof(*c));
+    c->max_topk = 8;
+    c->dtype = HEP_DTYPE_BF16;
+    c->dispatch_sms = 16;
+    c->combine_sms = 16;
+    c->chunk_tokens = 128;
+    c->backend = HEP_BACKEND_GPU;
+}
+
+static int range(const char *field, long v, long lo, long hi, const char *why)
+{
+    if (v < lo || v > hi)
+        return hep_fail(HEP_ERR_INVALID, "config.%s = %ld is out of range %ld..%ld%s%s", field, v,
+                        lo, hi, why ? ": " : "", why ? why : "");
+    return HEP_OK;
+}
+
+int hep_config_check(const hep_config *c, int world)
+{
+    int rc;
+    if (!c)
+        return hep_fail(HEP_ERR_INVALID, "config is NULL");
+    if ((rc = range("hidden", c->hidden, 8, 65536, NULL)) ||
+        (rc = range("max_tokens", c->max_tokens, 1, 65536, NULL)) ||
+        (rc = range("experts_per_rank", c->experts_per_rank, 1, 1024, NULL)) ||
+        (rc = range("max_topk", c->max_topk, 1, 32, NULL)) ||
+        (rc = range("dtype", c->dtype, 0, 1, "0 = BF16, 1 = FP8 E4M3")) ||
+        (rc = range("ranks_per_node", c->ranks_per_node, 0, 72, "0 = ranks sharing a host")) ||
+        (rc = range("dispatch_sms", c->dispatch_sms, 1, 132, NULL)) ||
+        (rc = range("combine_sms", c->combine_sms, 1, 132, NULL)) ||
+        (rc = range("chunk_tokens", c->chunk_tokens, 1, 4096, NULL)) ||
+        (rc = range("backend", c->backend, 0, 1, "0 = GPU, 1 = host")))
+        return rc;
+    if (c->dtype == HEP_DTYPE_BF16 && c->hidden % 8)
+        return hep_fail(HEP_ERR_INVALID,
+                        "config.hidden = %d: BF16 rows must be a multiple of 8 channels (16 bytes)",
+                        c->hidden);
+    if (c->dtype == HEP_DTYPE_FP8_E4M3 && c->hidden % HEP_FP8_BLOCK)
+        return hep_fail(HEP_ERR_INVALID,
+                        "config.hidden = %d: FP8 needs a multiple of %d channels (one f32 scale "
+                        "per %d)",
+                        c->hidden, HEP_FP8_BLOCK, HEP_FP8_BLOCK);
+    if (world > 0) {
+        if (c->ranks_per_node > 0 && world % c->ranks_per_node)
+            return hep_fail(HEP_ERR_INVALID,
+                            "config.ranks_per_node = %d does not divide the %d ranks of the group",
+                            c->ranks_per_node, world);
+        if ((long)c->max_topk > (long)c->experts_per_rank * world)
+            return hep_fail(HEP_ERR_INVALID,
+                            "config.max_topk = %d exceeds the %ld experts of the group",
+                            c->max_topk, (long)c->experts_per_rank * world);
+        if ((long long)world * c->max_tokens > (1LL << 30))
+            return hep_fail(HEP_ERR_INVALID,
+                            "world x max_tokens = %lld exceeds 2^30 receive rows",
+                            (long long)world * c->max_tokens);
+    }
+    return HEP_OK;
+}
+
+typedef struct plan_ctx {
+    hep_plan *p;
+    int overflow;
+} plan_ctx;
+
+static size_t mul3(plan_ctx *x, size_t a, size_t b, size_t c)
+{
+    size_t r;
+    if (hep_mul_overflow(a, b, &r) || hep_mul_overflow(r, c, &r)) {
+        x->overflow = 1;
+        return 0;
+    }
+    return r;
+}
+
+static void add(plan_ctx *x, int id, const char *name, const char *role, const char *elem,
+                size_t elem_bytes, size_t count, int arena, int registered)
+{
+    hep_plan_buffer *b = &x->p->buf[id];
+    b->name = name;
+    b->role = role;
+    b->elem = elem;
+    b->elem_bytes = elem_bytes;
+    b->count = count;
+    b->bytes = mul3(x, elem_bytes, count, 1);
+    b->arena = arena;
+    b->align = 256; /* 16-byte vectors and TMA need 16; 256 keeps rows of every buffer apart */
+    b->present = 1;
+    b->registered = registered;
+    b->alias_of = -1;
+}
+
+static void place(plan_ctx *x)
+{
+    hep_plan *p = x->p;
+    for (int i = 0; i < HEP_BUF_COUNT; i++) {
+        hep_plan_buffer *b = &p->buf[i];
+        size_t *top = &p->arena_bytes[b->arena], off;
+        if (!b->present || b->alias_of >= 0)
+            continue;
+        off = (*top + b->align - 1) / b->align * b->align;
+        if (hep_add_overflow(off, b->bytes, top)) {
+            x->overflow = 1;
+            return;
+        }
+        b->offset = off;
+    }
+    for (int i = 0; i < HEP_BUF_COUNT; i++) {
+        hep_plan_buffer *b = &p->buf[i];
+        if (b->present && b->alias_of >= 0) {
+            b->offset = p->buf[b->alias_of].offset;
+            if (b->bytes > p->buf[b->alias_of].bytes)
+                x->overflow = 1; /* cannot happen by construction; never silently overlap */
+        }
+    }
+    for (int a = 0; a < HEP_ARENA_COUNT; a++) {
+        /* whole 64 KiB units: a DMA-BUF export of a buffer's enclosing pages stays inside */
+        size_t r = (p->arena_bytes[a] + 65535) / 65536 * 65536;
+        if (r < p->arena_bytes[a])
+            x->overflow = 1;
+        p->arena_bytes[a] = r;
+    }
+    p->device_bytes = p->arena_bytes[HEP_ARENA_SHARED] + p->arena_bytes[HEP_ARENA_LOCAL];
+    p->host_bytes = p->arena_bytes[HEP_ARENA_MAPPED] + p->arena_bytes[HEP_ARENA_PINNED];
+}
+
+static void plan_internode(plan_ctx *x, const hep_config *c, size_t esize, size_t nscale)
+{
+    hep_plan *p = x->p;
+    size_t T = (size_t)c->max_tokens, H = (size_t)c->hidden, N = (size_t)p->nodes;
+    size_t Enode = (size_t)c->experts_per_rank * (size_t)p->ranks_per_node;
+    size_t chunks = (T + (size_t)c->chunk_tokens - 1) / (size_t)c->chunk_tokens;
+    size_t slots = (N - 1) * T; /* rows received from the other nodes, one slot per node */
+    const char *tok = c->dtype == HEP_DTYPE_FP8_E4M3 ? "fp8" : "bf16";
+    int fp8 = c->dtype == HEP_DTYPE_FP8_E4M3;
+
+    add(x, HEP_BUF_D_ATTN_TOKEN, "dispatch.attn_input_token", "dispatch", tok, esize, T * H,
+        HEP_ARENA_LOCAL, 1);
+    add(x, HEP_BUF_D_ATTN_FLAGS, "dispatch.attn_input_flags", "dispatch", "u64", 8, N * chunks,
+        HEP_ARENA_LOCAL, 1);
+    add(x, HEP_BUF_D_ATTN_PROB, "dispatch.attn_input_prob", "dispatch", "f32", 4, T * Enode,
+        HEP_ARENA_LOCAL, 1);
+    if (fp8)
+        add(x, HEP_BUF_D_ATTN_SCALE, "dispatch.attn_input_scaling_factor", "dispatch", "f32", 4,
+            T * nscale, HEP_ARENA_LOCAL, 1);
+    add(x, HEP_BUF_D_GROUP_TOKEN, "dispatch.rdma_inter_node_group_token", "dispatch", tok, esize,
+        mul3(x, slots, H, 1), HEP_ARENA_LOCAL, 1);
+    add(x, HEP_BUF_D_GROUP_FLAGS, "dispatch.rdma_inter_node_group_flags", "dispatch", "u64", 8,
+        N * chunks, HEP_ARENA_LOCAL, 1);
+    add(x, HEP_BUF_D_GROUP_PROB, "dispatch.rdma_inter_node_group_prob", "dispatch", "f32", 4,
+        mul3(x, slots, Enode, 1), HEP_ARENA_LOCAL, 1);
+    if (fp8)
+        add(x, HEP_BUF_D_GROUP_SCALE, "dispatch.rdma_inter_node_group_scaling_factor", "dispatch",
+            "f32", 4, mul3(x, slots, nscale, 1), HEP_ARENA_LOCAL, 1);
+    /* The peer's pre-reduced partial sums reuse its dispatch receive slots: a slot is free
+     * once dispatch has forwarded it, and the next dispatch comes after this combine. */
+    add(x, HEP_BUF_C_RED_TOKEN, "combine.rdma_intra_node_red_token", "combine", "bf16", 2,
+        mul3(x, slots, H, 1), HEP_ARENA_LOCAL, 1);
+    add(x, HEP_BUF_C_RED_PROB, "combine.rdma_intra_node_red_prob", "combine", "f32", 4,
+        mul3(x, slots, Enode, 1), HEP_ARENA_LOCAL, 1);
+    add(x, HEP_BUF_C_GROUP_TOKEN, "combine.rdma_inter_node_group_token", "combine", "bf16", 2,
+        mul3(x, slots, H, 1), HEP_ARENA_LOCAL, 1);
+    add(x, HEP_BUF_C_GROUP_FLAGS, "combine.rdma_inter_node_group_flags", "combine", "u64", 8,
+        N * chunks, HEP_ARENA_LOCAL, 1);
+    add(x, HEP_BUF_C_GROUP_PROB, "combine.rdma_inter_node_group_prob", "combine", "f32", 4,
+        mul3(x, slots, Enode, 1), HEP_ARENA_LOCAL, 1);
+    add(x, HEP_BUF_C_OUT_FLAGS, "combine.attn_output_flags", "combine", "u64", 8, N * chunks,
+        HEP_ARENA_LOCAL, 1);
+    if (esize == 2) {
+        p->buf[HEP_BUF_C_RED_TOKEN].alias_of = HEP_BUF_D_GROUP_TOKEN;
+        p->buf[HEP_BUF_C_RED_PROB].alias_of = HEP_BUF_D_GROUP_PROB;
+    } else {
+        /* FP8 dispatch slots are half the size of BF16 partial sums: the reverse alias */
+        p->buf[HEP_BUF_D_GROUP_TOKEN].alias_of = HEP_BUF_C_RED_TOKEN;
+        p->buf[HEP_BUF_D_GROUP_PROB].alias_of = HEP_BUF_C_RED_PROB;
+    }
+}
+
+int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *p)
+{
+    plan_ctx x = {p, 0};
+    size_t W, T, H, El, rows, nscale, esize;
+    int rc;
+
+    if (!p)
+        return hep_fail(HEP_ERR_INVALID, "plan output is NULL");
+    memset(p, 0, sizeof(*p));
+    if (nodes < 1 || ranks_per_node < 1 || nodes > 4096 || ranks_per_node > 72)
+        return hep_fail(HEP_ERR_INVALID, "plan: %d nodes x %d ranks per node is not valid",
+                        nodes, ranks_per_node);
+    rc = hep_config_check(c, nodes * ranks_per_node);
+    if (rc)
+        return rc;
+    if (c->ranks_per_node && c->ranks_per_node != ranks_per_node)
+        return hep_fail(HEP_ERR_INVALID, "plan: config.ranks_per_node = %d but %d given",
+                        c->ranks_per_node, ranks_per_node);
+    p->nodes = nodes;
+    p->ranks_per_node = ranks_per_node;
+    p->world = nodes * ranks_per_node;
+    W = (size_t)p->world;
+    T = (size_t)c->max_tokens;
+    H = (size_t)c->hidden;
+    El = (size_t)c->experts_per_rank;
+    rows = W * T; /* worst case: every token of every rank chooses this rank */
+    p->max_recv_rows = rows;
+    nscale = H / HEP_FP8_BLOCK;
+    esize = c->dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2;
+    p->flag_words = 16 + 2 * W;
+
+    /* dispatch writes H x esize bytes a row; combine reads H x 2 bytes a row, same bytes */
+    add(&x, HEP_BUF_TOKEN_X, "exchange.token", "both", "bf16", 2, mul3(&x, rows, H, 1),
+        HEP_ARENA_SHARED, 0);
+    add(&x, HEP_BUF_RECV_PROB, "dispatch.recv_prob", "dispatch", "f32", 4, mul3(&x, rows, El, 1),
+        HEP_ARENA_SHARED, 0);
+    if (esize == 1)
+        add(&x, HEP_BUF_RECV_SCALE, "dispatch.recv_scaling_factor", "dispatch", "f32", 4,
+            mul3(&x, rows, nscale, 1), HEP_ARENA_SHARED, 0);
+    add(&x, HEP_BUF_COUNTS, "sync.counts", "both", "i32", 4, mul3(&x, 2, W, El + 1),
+        HEP_ARENA_SHARED, 0);
+    add(&x, HEP_BUF_FLAGS, "sync.flags", "both", "u64", 8, p->flag_words, HEP_ARENA_SHARED, 0);
+    add(&x, HEP_BUF_HANDLE_ROWS, "handle.dest_rows", "both", "i32", 4, mul3(&x, T, W, 1),
+        HEP_ARENA_LOCAL, 0);
+    add(&x, HEP_BUF_HANDLE_META, "handle.meta", "both", "i32", 4, 4 * W + El + 16,
+        HEP_ARENA_LOCAL, 0);
+    add(&x, HEP_BUF_DIAG, "diag.timeout_record", "both", "byte", 1, 4096, HEP_ARENA_MAPPED, 0);
+    add(&x, HEP_BUF_HOST_COUNTS, "host.recv_counts", "dispatch", "i32", 4, El + 1,
+        HEP_ARENA_PINNED, 0);
+    if (nodes > 1) {
+        add(&x, HEP_BUF_PROXY, "proxy.ready_counters", "both", "u64", 8, 64 * W, HEP_ARENA_MAPPED,
+            0);
+        plan_internode(&x, c, esize, nscale);
+    }
+    place(&x);
+    if (x.overflow) {
+        memset(p, 0, sizeof(*p));
+        return hep_fail(HEP_ERR_INVALID, "plan: buffer sizes overflow size_t");
+    }
+    return HEP_OK;
+}
+
+const char *hep_arena_name(int arena)
+{
+    static const char *const n[] = {"device, IPC-shared", "device, local", "host-mapped",
+                                    "pinned host"};
+    return arena >= 0 && arena < HEP_ARENA_COUNT ? n[arena] : "?";
+}
