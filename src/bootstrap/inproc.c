@@ -18,7 +18,9 @@ struct hep_inproc_world {
     unsigned char *present;   /* who arrived in the current collective */
     unsigned char *buf;       /* the current allgather's data */
     size_t bytes;
-    int broken;               /* a collective timed out: every later one fails too */
+    int broken;               /* a collective failed: every later one fails too */
+    int why_rc;               /* ... with this status */
+    char why[512];            /* ... and this message */
 };
 
 typedef struct inproc_rank {
@@ -50,6 +52,16 @@ static int missing_ranks(hep_inproc_world *w, char *out, size_t len)
     return count;
 }
 
+/* Called with the lock held; releases it. Every rank reports the first failure. */
+static int broken_status(hep_inproc_world *w)
+{
+    char why[512];
+    int rc = w->why_rc;
+    snprintf(why, sizeof(why), "%s", w->why);
+    pthread_mutex_unlock(&w->lock);
+    return hep_fail(rc, "%s", why);
+}
+
 /* One collective: each rank deposits `bytes` at its slot; the last one wakes the others;
  * all copy the whole buffer out before the next collective can start. */
 static int collective(inproc_rank *me, const void *send, void *recv, size_t bytes, const char *what)
@@ -61,13 +73,13 @@ static int collective(inproc_rank *me, const void *send, void *recv, size_t byte
 
     deadline_after(&dl, hep_env_get()->timeout_ms);
     pthread_mutex_lock(&w->lock);
-    if (w->broken) {
-        pthread_mutex_unlock(&w->lock);
-        return hep_fail(HEP_ERR_BOOTSTRAP, "in-process bootstrap: an earlier collective failed");
-    }
+    if (w->broken)
+        return broken_status(w);
     /* wait until the previous collective has been read by everyone */
-    while (w->arrived < 0 && rc == 0)
+    while (w->arrived < 0 && rc == 0 && !w->broken)
         rc = pthread_cond_timedwait(&w->cond, &w->lock, &dl);
+    if (w->broken)
+        return broken_status(w);
     if (rc == 0 && w->arrived == 0) {
         free(w->buf);
         w->buf = calloc((size_t)w->size, bytes ? bytes : 1);
@@ -78,11 +90,12 @@ static int collective(inproc_rank *me, const void *send, void *recv, size_t byte
     }
     if (rc == 0 && w->bytes != bytes) {
         w->broken = 1;
+        w->why_rc = HEP_ERR_BOOTSTRAP;
+        snprintf(w->why, sizeof(w->why),
+                 "in-process bootstrap: rank %d called %s with %zu bytes, others with %zu",
+                 me->rank, what, bytes, w->bytes);
         pthread_cond_broadcast(&w->cond);
-        pthread_mutex_unlock(&w->lock);
-        return hep_fail(HEP_ERR_BOOTSTRAP,
-                        "in-process bootstrap: rank %d %s of %zu bytes, others %zu", me->rank, what,
-                        bytes, w->bytes);
+        return broken_status(w);
     }
     if (rc == 0) {
         if (bytes)
@@ -105,24 +118,25 @@ static int collective(inproc_rank *me, const void *send, void *recv, size_t byte
         pthread_mutex_unlock(&w->lock);
         return HEP_OK;
     }
-    if (rc == ETIMEDOUT) {
-        char who[256];
-        int n = missing_ranks(w, who, sizeof(who));
+    if (!w->broken) {
         w->broken = 1;
+        if (rc == ETIMEDOUT) {
+            char who[256];
+            int n = missing_ranks(w, who, sizeof(who));
+            w->why_rc = HEP_ERR_TIMEOUT;
+            snprintf(w->why, sizeof(w->why),
+                     "in-process bootstrap: %s timed out after %llu ms (HEP_TIMEOUT_MS); %d "
+                     "rank(s) did not arrive: %s",
+                     what, (unsigned long long)hep_env_get()->timeout_ms, n,
+                     n ? who : "none (a reader was late)");
+        } else {
+            w->why_rc = rc == ENOMEM ? HEP_ERR_NOMEM : HEP_ERR_BOOTSTRAP;
+            snprintf(w->why, sizeof(w->why), "in-process bootstrap: %s failed on rank %d: %s",
+                     what, me->rank, strerror(rc));
+        }
         pthread_cond_broadcast(&w->cond);
-        pthread_mutex_unlock(&w->lock);
-        return hep_fail(HEP_ERR_TIMEOUT,
-                        "in-process bootstrap: rank %d waited %llu ms in %s; %d rank(s) did not "
-                        "arrive: %s (HEP_TIMEOUT_MS)",
-                        me->rank, (unsigned long long)hep_env_get()->timeout_ms, what, n,
-                        n ? who : "(they arrived but the collective broke)");
     }
-    w->broken = 1;
-    pthread_cond_broadcast(&w->cond);
-    pthread_mutex_unlock(&w->lock);
-    return hep_fail(rc == ENOMEM ? HEP_ERR_NOMEM : HEP_ERR_BOOTSTRAP,
-                    "in-process bootstrap: %s failed on rank %d (%s)", what, me->rank,
-                    rc ? strerror(rc) : "another rank failed");
+    return broken_status(w);
 }
 
 static int inproc_allgather(void *ctx, const void *send, void *recv, size_t bytes)

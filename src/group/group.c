@@ -1,0 +1,471 @@
+/* group/group.c: collective creation and destruction of an EP group. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cuda_runtime_api.h>
+
+#include "core/core.h"
+#include "group/group.h"
+
+/* What each rank tells the others at creation. */
+typedef struct rank_card {
+    hep_config cfg;
+    char host[64];
+    int pid, device, sms;
+    char pci[32];
+    uint64_t shared_base;
+    cudaIpcMemHandle_t ipc;
+} rank_card;
+
+typedef struct agree_msg {
+    int rc, extra;
+    char text[1016];
+} agree_msg;
+
+int hep_group_agree(hep_group *g, int rc, int extra, int *extras)
+{
+    agree_msg mine, *all;
+    int brc, fail = -1;
+    memset(&mine, 0, sizeof(mine));
+    mine.rc = rc;
+    mine.extra = extra;
+    if (rc)
+        snprintf(mine.text, sizeof(mine.text), "%s", hep_last_error());
+    all = calloc((size_t)g->world, sizeof(*all));
+    if (!all)
+        return hep_fail(HEP_ERR_NOMEM, "group: out of memory");
+    brc = g->bs.allgather(g->bs.ctx, &mine, all, sizeof(mine));
+    if (brc) {
+        free(all);
+        return brc;
+    }
+    for (int r = 0; r < g->world && fail < 0; r++)
+        if (all[r].rc)
+            fail = r;
+    for (int r = 0; extras && r < g->world; r++)
+        extras[r] = all[r].extra;
+    if (fail >= 0) {
+        rc = all[fail].rc;
+        if (fail != g->rank) {
+            char text[1100];
+            snprintf(text, sizeof(text), "rank %d: %s", fail, all[fail].text);
+            hep_set_error_text(text);
+        }
+    }
+    free(all);
+    return fail >= 0 ? rc : HEP_OK;
+}
+
+/* Names the first configuration field on which some rank differs from rank 0. */
+static int compare_configs(const rank_card *cards, int world)
+{
+#define FIELD(f)                                                                                 \
+    {                                                                                            \
+#f, offsetof(hep_config, f)                                                              \
+    }
+    static const struct {
+        const char *name;
+        size_t off;
+    } fields[] = {FIELD(hidden),         FIELD(max_tokens),   FIELD(experts_per_rank),
+                  FIELD(max_topk),       FIELD(dtype),        FIELD(ranks_per_node),
+                  FIELD(dispatch_sms),   FIELD(combine_sms),  FIELD(chunk_tokens),
+                  FIELD(backend)};
+#undef FIELD
+    for (size_t f = 0; f < sizeof(fields) / sizeof(fields[0]); f++) {
+        int v0;
+        memcpy(&v0, (const char *)&cards[0].cfg + fields[f].off, sizeof(int));
+        for (int r = 1; r < world; r++) {
+            int v;
+            memcpy(&v, (const char *)&cards[r].cfg + fields[f].off, sizeof(int));
+            if (v != v0)
+                return hep_fail(HEP_ERR_MISMATCH,
+                                "configuration differs across ranks: field '%s' is %d on rank 0 "
+                                "but %d on rank %d",
+                                fields[f].name, v0, v, r);
+        }
+    }
+    return HEP_OK;
+}
+
+static int pick_layout(hep_group *g, const rank_card *cards)
+{
+    int R = g->cfg.ranks_per_node;
+    if (R == 0) {
+        R = 0;
+        for (int r = 0; r < g->world; r++)
+            R += strcmp(cards[r].host, cards[g->rank].host) == 0;
+        for (int r = 0; r < g->world; r++) {
+            int same = 0;
+            for (int q = 0; q < g->world; q++)
+                same += strcmp(cards[q].host, cards[r].host) == 0;
+            if (same != R)
+                return hep_fail(HEP_ERR_INVALID,
+                                "ranks_per_node = 0 needs the same number of ranks on every host: "
+                                "host '%s' has %d, host '%s' has %d",
+                                cards[g->rank].host, R, cards[r].host, same);
+        }
+        if (g->world % R)
+            return hep_fail(HEP_ERR_INVALID, "%d ranks per host does not divide %d ranks", R,
+                            g->world);
+    }
+    if (R > HEP_MAX_LOCAL)
+        return hep_fail(HEP_ERR_INVALID, "%d ranks per node exceeds %d", R, HEP_MAX_LOCAL);
+    g->R = R;
+    g->N = g->world / R;
+    g->node = g->rank / R;
+    g->local = g->rank % R;
+    return HEP_OK;
+}
+
+static int check_sm_budget(const hep_group *g, const rank_card *cards)
+{
+    int need = 0, who = 0;
+    char list[256] = "";
+    size_t n = 0;
+    if (g->cfg.backend == HEP_BACKEND_HOST)
+        return HEP_OK;
+    for (int r = 0; r < g->world; r++) {
+        if (strcmp(cards[r].host, cards[g->rank].host) || strcmp(cards[r].pci, cards[g->rank].pci))
+            continue;
+        need += g->cfg.dispatch_sms > g->cfg.combine_sms ? g->cfg.dispatch_sms
+                                                         : g->cfg.combine_sms;
+        need += 1; /* the one-block preprocess kernel */
+        who++;
+        if (n + 8 < sizeof(list))
+            n += (size_t)snprintf(list + n, sizeof(list) - n, "%s%d", who > 1 ? "," : "", r);
+    }
+    if (need > cards[g->rank].sms)
+        return hep_fail(HEP_ERR_INVALID,
+                        "%d ranks (%s) share GPU %s with %d SMs, but their kernels need %d SMs "
+                        "together (max(dispatch_sms, combine_sms) + 1 each): lower dispatch_sms / "
+                        "combine_sms",
+                        who, list, cards[g->rank].pci, cards[g->rank].sms, need);
+    return HEP_OK;
+}
+
+static int cuda_fail(cudaError_t e, const char *what, size_t bytes)
+{
+    int st = e == cudaErrorMemoryAllocation ? HEP_ERR_NOMEM : HEP_ERR_CUDA;
+    (void)cudaGetLastError();
+    return hep_fail(st, "%s of %zu bytes failed: %s (%s)", what, bytes, cudaGetErrorName(e),
+                    cudaGetErrorString(e));
+}
+
+static int alloc_arenas(hep_group *g)
+{
+    int host = g->cfg.backend == HEP_BACKEND_HOST;
+    for (int a = 0; a < HEP_ARENA_COUNT; a++) {
+        size_t bytes = g->plan.arena_bytes[a];
+        cudaError_t e = cudaSuccess;
+        void *p = NULL;
+        if (bytes == 0)
+            continue;
+        if (host) {
+            p = aligned_alloc(4096, bytes);
+            if (!p)
+                return hep_fail(HEP_ERR_NOMEM, "group: %zu bytes of host memory for the %s arena",
+                                bytes, hep_arena_name(a));
+            memset(p, 0, bytes);
+        } else if (a == HEP_ARENA_SHARED || a == HEP_ARENA_LOCAL) {
+            e = cudaMalloc(&p, bytes);
+            if (e == cudaSuccess)
+                e = cudaMemset(p, 0, bytes);
+        } else if (a == HEP_ARENA_MAPPED) {
+            e = cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
+            if (e == cudaSuccess)
+                memset(p, 0, bytes);
+        } else {
+            e = cudaMallocHost(&p, bytes);
+            if (e == cudaSuccess)
+                memset(p, 0, bytes);
+        }
+        if (e != cudaSuccess) {
+            if (p)
+                cudaFree(p);
+            return cuda_fail(e, hep_arena_name(a), bytes);
+        }
+        g->arena[a] = p;
+    }
+    g->mapped_dev = g->arena[HEP_ARENA_MAPPED];
+    if (!host && g->arena[HEP_ARENA_MAPPED]) {
+        cudaError_t e = cudaHostGetDevicePointer((void **)&g->mapped_dev,
+                                                 g->arena[HEP_ARENA_MAPPED], 0);
+        if (e != cudaSuccess)
+            return cuda_fail(e, "cudaHostGetDevicePointer", g->plan.arena_bytes[HEP_ARENA_MAPPED]);
+    }
+    if (!host) {
+        cudaError_t e = cudaDeviceSynchronize(); /* the memsets are done before peers write */
+        if (e != cudaSuccess)
+            return cuda_fail(e, "cudaDeviceSynchronize after clearing the arenas", 0);
+    }
+    return HEP_OK;
+}
+
+static void free_arenas(hep_group *g)
+{
+    int host = g->cfg.backend == HEP_BACKEND_HOST;
+    for (int a = HEP_ARENA_COUNT - 1; a >= 0; a--) {
+        if (!g->arena[a])
+            continue;
+        if (host)
+            free(g->arena[a]);
+        else if (a == HEP_ARENA_SHARED || a == HEP_ARENA_LOCAL)
+            cudaFree(g->arena[a]);
+        else
+            cudaFreeHost(g->arena[a]);
+        g->arena[a] = NULL;
+    }
+}
+
+/* Node-mates in this process share pointers; other processes go through CUDA IPC. */
+static int map_peers(hep_group *g, const rank_card *cards)
+{
+    int base = g->node * g->R;
+    for (int l = 0; l < g->R; l++) {
+        const rank_card *c = &cards[base + l];
+        if (l == g->local) {
+            g->peer_shared[l] = g->arena[HEP_ARENA_SHARED];
+            continue;
+        }
+        if (c->pid == cards[g->rank].pid && strcmp(c->host, cards[g->rank].host) == 0) {
+            g->peer_shared[l] = (char *)(uintptr_t)c->shared_base;
+            continue;
+        }
+        if (g->cfg.backend == HEP_BACKEND_HOST)
+            return hep_fail(HEP_ERR_INVALID,
+                            "the host backend needs all ranks of a node in one process; rank %d "
+                            "is in another process",
+                            base + l);
+        {
+            void *p = NULL;
+            cudaError_t e = cudaIpcOpenMemHandle(&p, c->ipc, cudaIpcMemLazyEnablePeerAccess);
+            if (e != cudaSuccess)
+                return hep_fail(HEP_ERR_CUDA,
+                                "cudaIpcOpenMemHandle of rank %d's shared buffers failed: %s "
+                                "(are the GPUs peer-capable? see hybridep doctor)",
+                                base + l, cudaGetErrorString(e));
+            g->peer_shared[l] = p;
+            g->ipc_opened[l] = 1;
+        }
+    }
+    return HEP_OK;
+}
+
+static void unmap_peers(hep_group *g)
+{
+    for (int l = 0; l < g->R; l++) {
+        if (g->ipc_opened[l])
+            cudaIpcCloseMemHandle(g->peer_shared[l]);
+        g->ipc_opened[l] = 0;
+        g->peer_shared[l] = NULL;
+    }
+}
+
+static int fill_card(hep_group *g, rank_card *c)
+{
+    memset(c, 0, sizeof(*c));
+    c->cfg = g->cfg;
+    if (gethostname(c->host, sizeof(c->host) - 1) != 0)
+        snprintf(c->host, sizeof(c->host), "unknown");
+    c->pid = (int)getpid();
+    c->device = g->device;
+    if (g->cfg.backend == HEP_BACKEND_GPU) {
+        cudaError_t e = cudaSetDevice(g->device);
+        if (e == cudaSuccess)
+            e = cudaDeviceGetAttribute(&c->sms, cudaDevAttrMultiProcessorCount, g->device);
+        if (e == cudaSuccess)
+            e = cudaDeviceGetPCIBusId(c->pci, sizeof(c->pci), g->device);
+        if (e != cudaSuccess)
+            return cuda_fail(e, "selecting CUDA device", 0);
+    }
+    return HEP_OK;
+}
+
+static int transport_is_loopback(const hep_group_hooks *h)
+{
+    const char *nic = hep_env_get()->nic;
+    if (h && h->transport)
+        return h->transport == 1;
+    if (strcmp(nic, "loopback") == 0)
+        return 1;
+    if (strcmp(nic, "verbs") == 0)
+        return 0;
+    return 0; /* auto: a real NIC; virtual nodes on one host need HEP_NIC=loopback */
+}
+
+static int all_on_one_host(const rank_card *cards, int world)
+{
+    for (int r = 1; r < world; r++)
+        if (strcmp(cards[r].host, cards[0].host) || cards[r].pid != cards[0].pid)
+            return 0;
+    return 1;
+}
+
+static int setup_internode(hep_group *g, const rank_card *cards, const hep_group_hooks *hooks,
+                           int *dmabuf)
+{
+    hep_coord_options o = {0, NULL};
+    int rc;
+    o.loopback = transport_is_loopback(hooks);
+    if (!hooks || !hooks->transport)
+        if (strcmp(hep_env_get()->nic, "auto") == 0 && all_on_one_host(cards, g->world) &&
+            hep_verbs_device_count() == 0)
+            o.loopback = 1; /* virtual nodes in one process, no NIC: the loopback NIC */
+    o.mr_override = hooks ? hooks->mr_override : NULL;
+    if (o.loopback && !all_on_one_host(cards, g->world))
+        return hep_fail(HEP_ERR_INVALID,
+                        "the loopback NIC joins ranks of one process only; these ranks span "
+                        "processes: set HEP_NIC=verbs");
+    rc = hep_coord_create(&g->plan, g->arena[HEP_ARENA_LOCAL], &g->bs, g->device, &o, &g->coord);
+    if (rc == HEP_OK)
+        *dmabuf = g->coord->dmabuf;
+    return rc;
+}
+
+static void teardown(hep_group *g)
+{
+    if (g->coord) {
+        hep_coord_destroy(g->coord);
+        g->coord = NULL;
+    }
+    unmap_peers(g);
+    free_arenas(g);
+}
+
+int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda_device,
+                        const hep_group_hooks *hooks, hep_group **out)
+{
+    hep_group *g;
+    rank_card mine, *cards = NULL;
+    int rc, *dmabuf = NULL, my_dmabuf = 0;
+
+    if (!out || !bs || !bs->allgather || !bs->barrier || bs->size < 1 || bs->rank < 0 ||
+        bs->rank >= bs->size)
+        return hep_fail(HEP_ERR_INVALID, "hep_group_create: NULL output or invalid bootstrap");
+    *out = NULL;
+    g = calloc(1, sizeof(*g));
+    cards = calloc((size_t)bs->size, sizeof(*cards));
+    dmabuf = calloc((size_t)bs->size, sizeof(int));
+    if (!g || !cards || !dmabuf) {
+        free(g);
+        free(cards);
+        free(dmabuf);
+        return hep_fail(HEP_ERR_NOMEM, "hep_group_create: out of memory");
+    }
+    g->bs = *bs;
+    g->rank = bs->rank;
+    g->world = bs->size;
+    g->device = cuda_device;
+    if (cfg)
+        g->cfg = *cfg;
+
+    /* 1. every rank's configuration and identity, checked together */
+    rc = cfg ? hep_config_check(cfg, g->world) : hep_fail(HEP_ERR_INVALID, "config is NULL");
+    if (rc == HEP_OK)
+        rc = fill_card(g, &mine);
+    else
+        memset(&mine, 0, sizeof(mine));
+    rc = hep_group_agree(g, rc, 0, NULL);
+    if (rc == HEP_OK)
+        rc = g->bs.allgather(g->bs.ctx, &mine, cards, sizeof(mine));
+    if (rc == HEP_OK) {
+        rc = compare_configs(cards, g->world);
+        if (rc == HEP_OK)
+            rc = pick_layout(g, cards);
+        if (rc == HEP_OK)
+            rc = hep_plan_make(&g->cfg, g->N, g->R, &g->plan);
+        if (rc == HEP_OK)
+            rc = check_sm_budget(g, cards);
+        /* 2. this rank's memory */
+        if (rc == HEP_OK)
+            rc = alloc_arenas(g);
+        if (rc == HEP_OK && g->cfg.backend == HEP_BACKEND_GPU &&
+            cudaIpcGetMemHandle(&mine.ipc, g->arena[HEP_ARENA_SHARED]) != cudaSuccess) {
+            (void)cudaGetLastError();
+            memset(&mine.ipc, 0, sizeof(mine.ipc)); /* only needed across processes */
+        }
+        mine.shared_base = (uint64_t)(uintptr_t)g->arena[HEP_ARENA_SHARED];
+        rc = hep_group_agree(g, rc, 0, NULL);
+    }
+    /* 3. the node-mates' shared memory */
+    if (rc == HEP_OK)
+        rc = g->bs.allgather(g->bs.ctx, &mine, cards, sizeof(mine));
+    if (rc == HEP_OK)
+        rc = hep_group_agree(g, map_peers(g, cards), 0, NULL);
+    /* 4. the inter-node transport and registrations */
+    if (rc == HEP_OK && g->N > 1) {
+        rc = setup_internode(g, cards, hooks, &my_dmabuf);
+        rc = hep_group_agree(g, rc, my_dmabuf, dmabuf);
+        if (rc == HEP_OK)
+            rc = hep_group_agree(g, hep_coord_connect(g->coord, &g->bs), 0, NULL);
+        if (rc == HEP_OK && g->local == 0) {
+            int any = 0;
+            for (int l = 0; l < g->R; l++)
+                any |= dmabuf[g->node * g->R + l] > 0;
+            if (any) {
+                hep_log(HEP_LOG_INFO, "legacy GPU memory registration is unavailable; using "
+                                      "DMA-BUF registration");
+                g->dmabuf_banner = 1;
+            }
+        }
+    }
+    if (rc == HEP_OK)
+        rc = g->bs.barrier(g->bs.ctx);
+    free(cards);
+    free(dmabuf);
+    if (rc != HEP_OK) {
+        char keep[2048];
+        snprintf(keep, sizeof(keep), "%s", hep_last_error());
+        teardown(g);
+        free(g);
+        hep_set_error_text(keep);
+        return rc;
+    }
+    *out = g;
+    return HEP_OK;
+}
+
+int hep_group_create(const hep_config *cfg, const hep_bootstrap *bs, int cuda_device,
+                     hep_group **out)
+{
+    return hep_group_create_ex(cfg, bs, cuda_device, NULL, out);
+}
+
+int hep_group_destroy(hep_group *g)
+{
+    int rc;
+    if (!g)
+        return HEP_OK;
+    /* nobody may still read or write this rank's memory */
+    if (g->cfg.backend == HEP_BACKEND_GPU) {
+        cudaSetDevice(g->device);
+        cudaDeviceSynchronize();
+    }
+    rc = g->bs.barrier(g->bs.ctx);
+    teardown(g);
+    free(g);
+    return rc;
+}
+
+int hep_group_get_info(const hep_group *g, hep_group_info *i)
+{
+    if (!g || !i)
+        return hep_fail(HEP_ERR_INVALID, "hep_group_get_info: NULL argument");
+    memset(i, 0, sizeof(*i));
+    i->rank = g->rank;
+    i->world = g->world;
+    i->nodes = g->N;
+    i->ranks_per_node = g->R;
+    i->node = g->node;
+    i->local_rank = g->local;
+    i->max_recv_rows = g->plan.max_recv_rows;
+    i->device_bytes = g->cfg.backend == HEP_BACKEND_GPU ? g->plan.device_bytes : 0;
+    i->host_bytes = g->cfg.backend == HEP_BACKEND_GPU ? g->plan.host_bytes
+                                                      : g->plan.device_bytes + g->plan.host_bytes;
+    i->registrations = g->coord ? g->coord->registered : 0;
+    i->dmabuf_registrations = g->coord ? g->coord->dmabuf : 0;
+    i->transport = g->coord ? g->coord->net->v->name : "none";
+    return HEP_OK;
+}

@@ -1,0 +1,57 @@
+/* group: create/destroy, the collective agreement of every step, buffer sharing. */
+#ifndef HEP_GROUP_H
+#define HEP_GROUP_H
+
+#include <stdint.h>
+
+#include "hybridep/hybridep.h"
+#include "layout/plan.h"
+#include "net/coordinator.h"
+
+#define HEP_MAX_LOCAL 72
+
+/* Test hooks of group creation (internal; not part of the public ABI). */
+typedef struct hep_group_hooks {
+    const hep_gpu_mr_ops *mr_override; /* non-NULL members replace the NIC's registration calls */
+    int transport;                     /* 0 = from HEP_NIC, 1 = loopback, 2 = verbs */
+} hep_group_hooks;
+
+struct hep_group {
+    hep_config cfg;
+    hep_bootstrap bs;
+    int device;
+    int rank, world, R, N, node, local;
+    hep_plan plan;
+    char *arena[HEP_ARENA_COUNT];   /* this rank's arenas (device or host addresses) */
+    char *mapped_dev;               /* device address of the mapped arena */
+    char *peer_shared[HEP_MAX_LOCAL]; /* each node-mate's shared arena, by local rank */
+    unsigned char ipc_opened[HEP_MAX_LOCAL];
+    hep_coord *coord;
+    uint64_t epoch;                 /* dispatch calls made (flags are multiples of it) */
+    uint64_t combine_epoch;
+    int dmabuf_banner;              /* printed the banner */
+    void *backend;                  /* the backend's per-group state */
+};
+
+int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda_device,
+                        const hep_group_hooks *hooks, hep_group **out);
+
+/* Pointer to buffer `id` in node-mate `local`'s shared arena, or in this rank's arena. */
+static inline char *hep_peer_buf(const hep_group *g, int local, int id)
+{
+    return g->peer_shared[local] + g->plan.buf[id].offset;
+}
+static inline char *hep_my_buf(const hep_group *g, int id)
+{
+    const hep_plan_buffer *b = &g->plan.buf[id];
+    if (b->arena == HEP_ARENA_SHARED)
+        return g->peer_shared[g->local] + b->offset;
+    return g->arena[b->arena] + b->offset;
+}
+
+/* Collective status agreement: every rank passes its local status; all return the status
+ * of the lowest failing rank, with that rank's message ("rank r: ..."). `extra` (may be
+ * NULL) is an int each rank contributes; `extras` receives all of them. */
+int hep_group_agree(hep_group *g, int rc, int extra, int *extras);
+
+#endif

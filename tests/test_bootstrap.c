@@ -1,0 +1,85 @@
+/* The in-process bootstrap: allgather and barrier across threads, bounded waits. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "core/core.h"
+#include "ranks.h"
+
+static int gather_many(rank_ctx *r)
+{
+    for (int round = 0; round < 50; round++) {
+        int mine[3] = {r->rank, round, r->rank * 1000 + round}, all[3 * 16];
+        int rc = r->bs.allgather(r->bs.ctx, mine, all, sizeof(mine));
+        if (rc)
+            return rc;
+        for (int q = 0; q < r->world; q++)
+            if (all[3 * q] != q || all[3 * q + 1] != round || all[3 * q + 2] != q * 1000 + round)
+                return -1;
+        if ((rc = r->bs.barrier(r->bs.ctx)))
+            return rc;
+    }
+    return 0;
+}
+
+static void inproc_allgather_returns_every_rank_in_order(void **state)
+{
+    rank_ctx ctx[16];
+    (void)state;
+    assert_int_equal(run_ranks(16, gather_many, NULL, ctx), 0);
+    for (int r = 0; r < 16; r++)
+        assert_int_equal(ctx[r].rc, 0);
+}
+
+static int all_but_rank_two(rank_ctx *r)
+{
+    int v = r->rank, all[4];
+    if (r->rank == 2)
+        return 0; /* never arrives */
+    return r->bs.allgather(r->bs.ctx, &v, all, sizeof(v));
+}
+
+static void inproc_timeout_names_the_rank_that_did_not_arrive(void **state)
+{
+    rank_ctx ctx[4];
+    (void)state;
+    setenv("HEP_TIMEOUT_MS", "200", 1);
+    hep_env_reload();
+    assert_int_equal(run_ranks(4, all_but_rank_two, NULL, ctx), 0);
+    unsetenv("HEP_TIMEOUT_MS");
+    hep_env_reload();
+    for (int r = 0; r < 4; r++) {
+        if (r == 2)
+            continue;
+        assert_int_equal(ctx[r].rc, HEP_ERR_TIMEOUT);
+        if (!strstr(ctx[r].err, "did not arrive: 2"))
+            fail_msg("rank %d: %s", r, ctx[r].err);
+    }
+}
+
+static void inproc_world_rejects_bad_sizes(void **state)
+{
+    hep_inproc_world *w = NULL;
+    hep_bootstrap bs;
+    (void)state;
+    assert_int_equal(hep_inproc_world_create(0, &w), HEP_ERR_INVALID);
+    assert_int_equal(hep_inproc_world_create(2, &w), HEP_OK);
+    assert_int_equal(hep_inproc_bootstrap(w, 2, &bs), HEP_ERR_INVALID);
+    hep_inproc_world_destroy(w);
+    hep_inproc_world_destroy(NULL);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(inproc_allgather_returns_every_rank_in_order),
+        cmocka_unit_test(inproc_timeout_names_the_rank_that_did_not_arrive),
+        cmocka_unit_test(inproc_world_rejects_bad_sizes),
+    };
+    return cmocka_run_group_tests_name("bootstrap", tests, NULL, NULL);
+}

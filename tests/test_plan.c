@@ -1,0 +1,176 @@
+/* The buffer plan: sizes of hand-computed configurations, and every invalid field. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "core/core.h"
+#include "layout/plan.h"
+
+static hep_config base(int H, int T, int El, int K, hep_dtype dt)
+{
+    hep_config c;
+    hep_config_default(&c);
+    c.hidden = H;
+    c.max_tokens = T;
+    c.experts_per_rank = El;
+    c.max_topk = K;
+    c.dtype = dt;
+    return c;
+}
+
+static void plan_single_node_bf16_sizes(void **state)
+{
+    hep_config c = base(1024, 64, 4, 2, HEP_DTYPE_BF16);
+    hep_plan p;
+    (void)state;
+    assert_int_equal(hep_plan_make(&c, 1, 4, &p), HEP_OK);
+    /* 4 ranks x 64 tokens = 256 rows; rows x 1024 x 2 bytes */
+    assert_int_equal(p.max_recv_rows, 256);
+    assert_int_equal(p.buf[HEP_BUF_TOKEN_X].bytes, 256 * 1024 * 2);
+    assert_int_equal(p.buf[HEP_BUF_RECV_PROB].bytes, 256 * 4 * 4);
+    assert_false(p.buf[HEP_BUF_RECV_SCALE].present);
+    assert_int_equal(p.buf[HEP_BUF_HANDLE_ROWS].bytes, 64 * 4 * 4);
+    assert_int_equal(p.buf[HEP_BUF_COUNTS].bytes, 2 * 4 * 5 * 4);
+    for (int i = HEP_FIRST_RDMA_BUF; i < HEP_BUF_COUNT; i++)
+        assert_false(p.buf[i].present);
+    /* shared arena: X (524288) | prob (4096) | counts (160 -> 256) | flags (24 words) */
+    assert_int_equal(p.buf[HEP_BUF_RECV_PROB].offset, 524288);
+    assert_int_equal(p.buf[HEP_BUF_COUNTS].offset, 524288 + 4096);
+    assert_int_equal(p.buf[HEP_BUF_FLAGS].offset, 524288 + 4096 + 256);
+    assert_int_equal(p.arena_bytes[HEP_ARENA_SHARED], 9 * 65536);
+}
+
+static void plan_fp8_has_scales(void **state)
+{
+    hep_config c = base(256, 10, 2, 1, HEP_DTYPE_FP8_E4M3);
+    hep_plan p;
+    (void)state;
+    assert_int_equal(hep_plan_make(&c, 1, 2, &p), HEP_OK);
+    assert_int_equal(p.max_recv_rows, 20);
+    assert_true(p.buf[HEP_BUF_RECV_SCALE].present);
+    assert_int_equal(p.buf[HEP_BUF_RECV_SCALE].bytes, 20 * 2 * 4);
+    /* X still holds BF16 combine rows */
+    assert_int_equal(p.buf[HEP_BUF_TOKEN_X].bytes, 20 * 256 * 2);
+}
+
+static void plan_two_nodes_lists_all_fourteen_rdma_buffers(void **state)
+{
+    hep_config c = base(512, 100, 3, 4, HEP_DTYPE_FP8_E4M3);
+    hep_plan p;
+    int n = 0;
+    (void)state;
+    c.chunk_tokens = 32;
+    assert_int_equal(hep_plan_make(&c, 2, 4, &p), HEP_OK);
+    for (int i = HEP_FIRST_RDMA_BUF; i < HEP_BUF_COUNT; i++) {
+        assert_true(p.buf[i].present);
+        assert_true(p.buf[i].registered);
+        assert_int_equal(p.buf[i].arena, HEP_ARENA_LOCAL);
+        n++;
+    }
+    assert_int_equal(n, 14);
+    assert_string_equal(p.buf[HEP_BUF_D_ATTN_TOKEN].name, "dispatch.attn_input_token");
+    assert_string_equal(p.buf[HEP_BUF_C_OUT_FLAGS].name, "combine.attn_output_flags");
+    assert_int_equal(p.max_recv_rows, 800);
+    /* one slot of T rows per other node; FP8 tokens are H bytes */
+    assert_int_equal(p.buf[HEP_BUF_D_ATTN_TOKEN].bytes, 100 * 512);
+    assert_int_equal(p.buf[HEP_BUF_D_GROUP_TOKEN].bytes, 1 * 100 * 512);
+    assert_int_equal(p.buf[HEP_BUF_C_GROUP_TOKEN].bytes, 1 * 100 * 512 * 2);
+    /* probabilities cover the 12 experts of a node; 4 chunks of 32 per node */
+    assert_int_equal(p.buf[HEP_BUF_D_ATTN_PROB].bytes, 100 * 12 * 4);
+    assert_int_equal(p.buf[HEP_BUF_D_ATTN_FLAGS].bytes, 2 * 4 * 8);
+    assert_int_equal(p.buf[HEP_BUF_D_ATTN_SCALE].bytes, 100 * 4 * 4);
+    /* FP8 dispatch slots live inside the BF16 partial-sum slots */
+    assert_int_equal(p.buf[HEP_BUF_D_GROUP_TOKEN].alias_of, HEP_BUF_C_RED_TOKEN);
+    assert_int_equal(p.buf[HEP_BUF_D_GROUP_TOKEN].offset, p.buf[HEP_BUF_C_RED_TOKEN].offset);
+}
+
+static void plan_ep64_fits_the_stated_budget(void **state)
+{
+    hep_config c = base(7168, 4096, 4, 8, HEP_DTYPE_BF16);
+    hep_plan p;
+    (void)state;
+    assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
+    assert_int_equal(p.max_recv_rows, 64 * 4096);
+    assert_int_equal(p.buf[HEP_BUF_TOKEN_X].bytes, 64ull * 4096 * 7168 * 2);
+    assert_true(p.device_bytes < 4700000000ull);
+}
+
+static void plan_buffers_do_not_overlap_unless_aliased(void **state)
+{
+    hep_config c = base(7168, 512, 8, 8, HEP_DTYPE_BF16);
+    hep_plan p;
+    (void)state;
+    assert_int_equal(hep_plan_make(&c, 4, 2, &p), HEP_OK);
+    for (int i = 0; i < HEP_BUF_COUNT; i++)
+        for (int j = i + 1; j < HEP_BUF_COUNT; j++) {
+            const hep_plan_buffer *a = &p.buf[i], *b = &p.buf[j];
+            if (!a->present || !b->present || a->arena != b->arena)
+                continue;
+            if (a->alias_of == j || b->alias_of == i)
+                continue;
+            assert_true(a->offset + a->bytes <= b->offset || b->offset + b->bytes <= a->offset);
+        }
+    for (int i = 0; i < HEP_BUF_COUNT; i++)
+        if (p.buf[i].present) {
+            assert_int_equal(p.buf[i].offset % p.buf[i].align, 0);
+            assert_true(p.buf[i].offset + p.buf[i].bytes <= p.arena_bytes[p.buf[i].arena]);
+        }
+}
+
+static void expect_invalid(hep_config c, int nodes, int rpn, const char *needle)
+{
+    hep_plan p;
+    assert_int_equal(hep_plan_make(&c, nodes, rpn, &p), HEP_ERR_INVALID);
+    if (!strstr(hep_last_error(), needle))
+        fail_msg("expected '%s' in '%s'", needle, hep_last_error());
+}
+
+static void plan_refuses_every_invalid_field(void **state)
+{
+    hep_config ok = base(1024, 64, 4, 2, HEP_DTYPE_BF16), c;
+    (void)state;
+#define BAD(field, value, needle)                                                                \
+    c = ok;                                                                                      \
+    c.field = value;                                                                             \
+    expect_invalid(c, 1, 4, needle)
+    BAD(hidden, 0, "config.hidden");
+    BAD(hidden, 1000004, "config.hidden");
+    BAD(hidden, 1020, "multiple of 8");
+    BAD(max_tokens, 0, "config.max_tokens");
+    BAD(max_tokens, 70000, "config.max_tokens");
+    BAD(experts_per_rank, 0, "config.experts_per_rank");
+    BAD(max_topk, 0, "config.max_topk");
+    BAD(max_topk, 33, "config.max_topk");
+    BAD(max_topk, 17, "exceeds the 16 experts");
+    BAD(dtype, 7, "config.dtype");
+    BAD(ranks_per_node, -1, "config.ranks_per_node");
+    BAD(ranks_per_node, 3, "does not divide");
+    BAD(dispatch_sms, 0, "config.dispatch_sms");
+    BAD(combine_sms, 200, "config.combine_sms");
+    BAD(chunk_tokens, 0, "config.chunk_tokens");
+    BAD(backend, 5, "config.backend");
+    c = ok;
+    c.dtype = HEP_DTYPE_FP8_E4M3;
+    c.hidden = 1000;
+    expect_invalid(c, 1, 4, "multiple of 128");
+    expect_invalid(ok, 0, 4, "not valid");
+    expect_invalid(ok, 1, 0, "not valid");
+#undef BAD
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(plan_single_node_bf16_sizes),
+        cmocka_unit_test(plan_fp8_has_scales),
+        cmocka_unit_test(plan_two_nodes_lists_all_fourteen_rdma_buffers),
+        cmocka_unit_test(plan_ep64_fits_the_stated_budget),
+        cmocka_unit_test(plan_buffers_do_not_overlap_unless_aliased),
+        cmocka_unit_test(plan_refuses_every_invalid_field),
+    };
+    return cmocka_run_group_tests_name("plan", tests, NULL, NULL);
+}
