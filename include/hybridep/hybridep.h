@@ -76,6 +76,75 @@ typedef struct hep_group_info {
 } hep_group_info;
 int hep_group_get_info(const hep_group *g, hep_group_info *info);
 
+/* ---------------------------------------------------------------- dispatch / combine
+ *
+ * Receive order: rank r's dispatch output lists every token routed to any of its local
+ * experts exactly once, ordered by [source node][source local rank][token index] (for
+ * one node: by source rank, then token index). Row j's probabilities are prob[j * E_l + e]
+ * for local expert e: the sum of the top-k weights of the slots that chose global expert
+ * r * E_l + e (0 where none did). tokens_per_expert[e] counts the received tokens with at
+ * least one slot on local expert e. Combine returns, for each of this rank's tokens, the
+ * f32 sum (in ascending destination rank) of the rows of its destinations, as BF16; a
+ * token routed nowhere gets zeros. Combine does not apply the probabilities.
+ *
+ * Both calls are collective over the group and stream-ordered; every rank calls
+ * dispatch, then combine, in the same sequence. */
+
+typedef enum { HEP_INDEX_INT32 = 0, HEP_INDEX_INT64 = 1 } hep_index_type;
+
+/* Flags of dispatch/combine. */
+#define HEP_ASYNC 1u /* do not wait for the stream: no host synchronization (graph capture);
+                        counts are only on the device; errors surface at hep_group_sync */
+
+typedef struct hep_dispatch_args {
+    int num_tokens;            /* t, 0..max_tokens */
+    const void *tokens;        /* [t, H] BF16 or FP8 E4M3, rows 16-byte aligned */
+    const float *scales;       /* FP8: [t, H / 128] f32; BF16: NULL */
+    const void *topk_idx;      /* [t, topk] global expert ids, -1 = unused slot */
+    hep_index_type index_type; /* int32 or int64 ids */
+    int topk;                  /* 1..max_topk */
+    const float *topk_weights; /* [t, topk] */
+    void *stream;              /* cudaStream_t (GPU backend); ignored by the host backend */
+    unsigned flags;            /* 0 or HEP_ASYNC */
+} hep_dispatch_args;
+
+typedef struct hep_dispatch_result {
+    void *tokens;             /* [max_recv_rows, H] received rows (group memory) */
+    float *probs;             /* [max_recv_rows, E_l] */
+    float *scales;            /* FP8: [max_recv_rows, H / 128]; else NULL */
+    int *num_recv_device;     /* device int: rows received */
+    int *tokens_per_expert_device; /* device [E_l] */
+    const int *host_counts;   /* pinned host [1 + E_l]: rows, then tokens per expert; valid
+                                 once the stream has passed this dispatch */
+    int num_recv;             /* rows received; -1 with HEP_ASYNC */
+    size_t max_recv_rows;
+    uint64_t handle;          /* pass to hep_combine */
+} hep_dispatch_result;
+
+/* Dispatch this rank's tokens. Outputs stay valid until the next hep_combine.
+ * Errors: HEP_ERR_INVALID (NULL pointers, t > T, topk > max_topk, an expert id out of
+ * range, misaligned rows), HEP_ERR_TIMEOUT (a rank did not arrive within HEP_TIMEOUT_MS;
+ * the message names it; the group cannot be used afterwards), HEP_ERR_CUDA. */
+int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *out);
+
+typedef struct hep_combine_args {
+    uint64_t handle;         /* from the dispatch whose rows these are */
+    const void *expert_out;  /* [num_recv, H] BF16 rows in dispatch order; passing
+                                hep_combine_input(g) (written in place) skips a copy */
+    void *out;               /* [t, H] BF16, this rank's t of that dispatch */
+    void *stream;
+    unsigned flags;          /* 0 or HEP_ASYNC */
+} hep_combine_args;
+
+int hep_combine(hep_group *g, const hep_combine_args *a);
+
+/* Where to write expert outputs for a combine without a copy: [max_recv_rows, H] BF16.
+ * It shares bytes with the dispatch output tokens. */
+void *hep_combine_input(hep_group *g);
+
+/* Wait for `stream` and report the first error of an HEP_ASYNC call (0 if none). */
+int hep_group_sync(hep_group *g, void *stream);
+
 #ifdef __cplusplus
 }
 #endif

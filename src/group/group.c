@@ -326,6 +326,7 @@ static int setup_internode(hep_group *g, const rank_card *cards, const hep_group
 
 static void teardown(hep_group *g)
 {
+    hep_ep_teardown(g);
     if (g->coord) {
         hep_coord_destroy(g->coord);
         g->coord = NULL;
@@ -412,6 +413,8 @@ int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda
         }
     }
     if (rc == HEP_OK)
+        rc = hep_group_agree(g, hep_ep_setup(g), 0, NULL);
+    if (rc == HEP_OK)
         rc = g->bs.barrier(g->bs.ctx);
     free(cards);
     free(dmabuf);
@@ -444,6 +447,15 @@ int hep_group_destroy(hep_group *g)
         cudaDeviceSynchronize();
     }
     rc = g->bs.barrier(g->bs.ctx);
+    if (rc != HEP_OK && g->R > 1) {
+        /* A node-mate did not arrive: it may still read or write this rank's shared
+         * buffers, so they stay allocated (a fault in a late rank would be worse). */
+        hep_log(HEP_LOG_WARN,
+                "rank %d: destroy barrier failed (%s); its %zu bytes of node-shared buffers are "
+                "left allocated so that a late node-mate cannot fault",
+                g->rank, hep_last_error(), g->plan.arena_bytes[HEP_ARENA_SHARED]);
+        g->arena[HEP_ARENA_SHARED] = NULL;
+    }
     teardown(g);
     free(g);
     return rc;

@@ -30,8 +30,21 @@ struct hep_group {
     uint64_t epoch;                 /* dispatch calls made (flags are multiples of it) */
     uint64_t combine_epoch;
     int dmabuf_banner;              /* printed the banner */
-    void *backend;                  /* the backend's per-group state */
+    /* dispatch/combine state */
+    struct hep_kargs *kargs;        /* GPU backend: launch arguments, node pointers filled */
+    int last_t;                     /* tokens of the last dispatch */
+    int last_recv;                  /* rows received by it (host backend, sync mode) */
+    uint64_t last_handle;
+    int broken;                     /* a timeout left the flags inconsistent */
+    char broken_msg[1024];
 };
+
+/* group/ep.c */
+int hep_ep_setup(hep_group *g);    /* after the arenas and peers exist */
+void hep_ep_teardown(hep_group *g);
+/* ref/host_backend.c: the host backend's halves of dispatch and combine */
+int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *out);
+int hep_host_combine(hep_group *g, const hep_combine_args *a);
 
 int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda_device,
                         const hep_group_hooks *hooks, hep_group **out);

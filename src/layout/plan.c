@@ -226,6 +226,7 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
     add(&x, HEP_BUF_COUNTS, "sync.counts", "both", "i32", 4, mul3(&x, 2, W, El + 1),
         HEP_ARENA_SHARED, 0);
     add(&x, HEP_BUF_FLAGS, "sync.flags", "both", "u64", 8, p->flag_words, HEP_ARENA_SHARED, 0);
+    add(&x, HEP_BUF_MAILBOX, "sync.mailbox", "both", "u64", 8, 16, HEP_ARENA_SHARED, 0);
     add(&x, HEP_BUF_HANDLE_ROWS, "handle.dest_rows", "both", "i32", 4, mul3(&x, T, W, 1),
         HEP_ARENA_LOCAL, 0);
     add(&x, HEP_BUF_HANDLE_META, "handle.meta", "both", "i32", 4, 4 * W + El + 16,

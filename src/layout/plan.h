@@ -12,6 +12,7 @@
 #include <stddef.h>
 
 #include "hybridep/hybridep.h"
+#include "kernels/ep_kernels.h" /* the layout of the flags buffer */
 
 typedef enum {
     HEP_ARENA_SHARED = 0, /* device memory shared in the node (CUDA IPC / same process) */
@@ -27,6 +28,7 @@ typedef enum {
     HEP_BUF_RECV_SCALE,
     HEP_BUF_COUNTS,
     HEP_BUF_FLAGS,
+    HEP_BUF_MAILBOX,
     HEP_BUF_HANDLE_ROWS,
     HEP_BUF_HANDLE_META,
     HEP_BUF_DIAG,
@@ -77,11 +79,6 @@ typedef struct hep_plan {
     size_t device_bytes, host_bytes;
 } hep_plan;
 
-/* Layout of the flags buffer (u64 monotonic counters), in words. */
-#define HEP_FLAG_COUNTS_READY 0  /* [1]: this rank published its counts for epoch e */
-#define HEP_FLAG_COMBINE_READY 8 /* [1]: this rank's combine input is ready for epoch e */
-#define HEP_FLAG_DISPATCH_ARRIVE 16 /* [W]: blocks of source s that finished writing here */
-/* combine completion per reader follows at 16 + W */
 
 /* Plan for `nodes` x `ranks_per_node` ranks. 0 or HEP_ERR_INVALID (with the reason). */
 int hep_plan_make(const hep_config *cfg, int nodes, int ranks_per_node, hep_plan *out);

@@ -1,0 +1,261 @@
+/* group/ep.c: hep_dispatch / hep_combine: argument checks, then the GPU kernels or the
+ * host backend; synchronous calls wait and turn a kernel's timeout record into a status. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cuda_runtime_api.h>
+
+#include "core/core.h"
+#include "group/group.h"
+#include "kernels/ep_kernels.h"
+
+static const char *stage_name(int s)
+{
+    return s == HEP_STAGE_PREPROCESS ? "preprocess (routing counts)"
+           : s == HEP_STAGE_DISPATCH ? "dispatch (rows arriving)"
+           : s == HEP_STAGE_COMBINE  ? "combine (expert outputs ready)"
+                                     : "?";
+}
+
+int hep_ep_setup(hep_group *g)
+{
+    hep_kargs *k;
+    if (g->cfg.backend != HEP_BACKEND_GPU)
+        return g->R > 64 ? hep_fail(HEP_ERR_INVALID,
+                                    "the host backend supports up to 64 ranks per node, not %d",
+                                    g->R)
+                         : HEP_OK;
+    if (g->R > HEP_GPU_MAX_LOCAL)
+        return hep_fail(HEP_ERR_INVALID, "the GPU kernels support up to %d ranks per node, not %d",
+                        HEP_GPU_MAX_LOCAL, g->R);
+    if (hep_preprocess_smem(g->R, g->cfg.experts_per_rank) > 200 * 1024)
+        return hep_fail(HEP_ERR_INVALID,
+                        "ranks_per_node x (experts_per_rank + 1) = %d x %d counters exceed the "
+                        "preprocess kernel's shared memory",
+                        g->R, g->cfg.experts_per_rank + 1);
+    k = calloc(1, sizeof(*k));
+    if (!k)
+        return hep_fail(HEP_ERR_NOMEM, "group: out of memory");
+    k->local = g->local;
+    k->R = g->R;
+    k->H = g->cfg.hidden;
+    k->El = g->cfg.experts_per_rank;
+    k->esize = g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2;
+    k->nscale = g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? g->cfg.hidden / HEP_FP8_BLOCK : 0;
+    k->dest_rows = (int *)hep_my_buf(g, HEP_BUF_HANDLE_ROWS);
+    k->meta = (int *)hep_my_buf(g, HEP_BUF_HANDLE_META);
+    /* meta: [0, R) bases; then the epoch (8-byte aligned), the count, tokens per expert */
+    k->epoch = (unsigned long long *)(k->meta + ((g->R + 1) & ~1));
+    k->recv_count = (int *)(k->epoch + 1);
+    k->tokens_per_expert = k->recv_count + 1;
+    k->host_counts = (int *)hep_my_buf(g, HEP_BUF_HOST_COUNTS);
+    k->diag = (hep_diag *)(g->mapped_dev + g->plan.buf[HEP_BUF_DIAG].offset);
+    for (int l = 0; l < g->R; l++) {
+        k->x[l] = hep_peer_buf(g, l, HEP_BUF_TOKEN_X);
+        k->prob[l] = (float *)hep_peer_buf(g, l, HEP_BUF_RECV_PROB);
+        k->scale[l] = g->plan.buf[HEP_BUF_RECV_SCALE].present
+                          ? (float *)hep_peer_buf(g, l, HEP_BUF_RECV_SCALE)
+                          : NULL;
+        k->counts[l] = (int *)hep_peer_buf(g, l, HEP_BUF_COUNTS);
+        k->flags[l] = (unsigned long long *)hep_peer_buf(g, l, HEP_BUF_FLAGS);
+    }
+    g->kargs = k;
+    return HEP_OK;
+}
+
+void hep_ep_teardown(hep_group *g)
+{
+    free(g->kargs);
+    g->kargs = NULL;
+}
+
+static int check_ptr(const void *p, size_t align, const char *what)
+{
+    if (!p)
+        return hep_fail(HEP_ERR_INVALID, "%s is NULL", what);
+    if ((uintptr_t)p % align)
+        return hep_fail(HEP_ERR_INVALID, "%s = %p is not %zu-byte aligned", what, p, align);
+    return HEP_OK;
+}
+
+static int check_dispatch(const hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *o)
+{
+    int rc;
+    if (!g || !a || !o)
+        return hep_fail(HEP_ERR_INVALID, "hep_dispatch: NULL group, arguments or result");
+    if (g->broken)
+        return hep_fail(HEP_ERR_TIMEOUT, "group is unusable after an earlier failure: %s",
+                        g->broken_msg);
+    if (a->num_tokens < 0 || a->num_tokens > g->cfg.max_tokens)
+        return hep_fail(HEP_ERR_INVALID, "hep_dispatch: num_tokens = %d is not in 0..%d (max_tokens)",
+                        a->num_tokens, g->cfg.max_tokens);
+    if (a->topk < 1 || a->topk > g->cfg.max_topk)
+        return hep_fail(HEP_ERR_INVALID, "hep_dispatch: topk = %d is not in 1..%d (max_topk)",
+                        a->topk, g->cfg.max_topk);
+    if (a->index_type != HEP_INDEX_INT32 && a->index_type != HEP_INDEX_INT64)
+        return hep_fail(HEP_ERR_INVALID, "hep_dispatch: index_type %d is not int32 or int64",
+                        (int)a->index_type);
+    if (a->num_tokens == 0)
+        return HEP_OK;
+    if ((rc = check_ptr(a->tokens, 16, "hep_dispatch: tokens")) ||
+        (rc = check_ptr(a->topk_idx, a->index_type == HEP_INDEX_INT64 ? 8 : 4,
+                        "hep_dispatch: topk_idx")) ||
+        (rc = check_ptr(a->topk_weights, 4, "hep_dispatch: topk_weights")))
+        return rc;
+    if (g->cfg.dtype == HEP_DTYPE_FP8_E4M3 &&
+        (rc = check_ptr(a->scales, 4, "hep_dispatch: scales (FP8)")))
+        return rc;
+    return HEP_OK;
+}
+
+/* After the stream finished: a kernel's record becomes the call's status. */
+static int diag_status(hep_group *g, const char *call)
+{
+    hep_diag *d = (hep_diag *)(g->arena[HEP_ARENA_MAPPED] + g->plan.buf[HEP_BUF_DIAG].offset);
+    if (d->timeout_claimed) {
+        int peer = g->node * g->R + d->peer;
+        snprintf(g->broken_msg, sizeof(g->broken_msg),
+                 "%s timed out on rank %d after %.0f ms (HEP_TIMEOUT_MS) in %s, block %d: waited "
+                 "for rank %d, expected %llu, saw %llu: rank %d did not arrive",
+                 call, g->rank, (double)d->waited_ns / 1e6, stage_name(d->stage), d->block, peer,
+                 d->expected, d->seen, peer);
+        g->broken = 1;
+        return hep_fail(HEP_ERR_TIMEOUT, "%s", g->broken_msg);
+    }
+    if (d->invalid_claimed) {
+        int tok = d->bad_token, slot = d->bad_slot;
+        long long v = d->bad_value;
+        d->invalid_claimed = 0;
+        return hep_fail(HEP_ERR_INVALID,
+                        "%s on rank %d: topk_idx[%d][%d] = %lld is not -1 or an expert id in "
+                        "0..%d (that slot was ignored)",
+                        call, g->rank, tok, slot, v,
+                        g->cfg.experts_per_rank * g->world - 1);
+    }
+    return HEP_OK;
+}
+
+static int cuda_status(cudaError_t e, const char *what)
+{
+    (void)cudaGetLastError();
+    return hep_fail(HEP_ERR_CUDA, "%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+static int finish(hep_group *g, void *stream, unsigned flags, const char *call)
+{
+    cudaError_t e;
+    if (flags & HEP_ASYNC)
+        return HEP_OK;
+    e = cudaStreamSynchronize((cudaStream_t)stream);
+    if (e != cudaSuccess)
+        return cuda_status(e, call);
+    return diag_status(g, call);
+}
+
+int hep_group_sync(hep_group *g, void *stream)
+{
+    if (!g)
+        return hep_fail(HEP_ERR_INVALID, "hep_group_sync: NULL group");
+    if (g->cfg.backend != HEP_BACKEND_GPU)
+        return g->broken ? hep_fail(HEP_ERR_TIMEOUT, "%s", g->broken_msg) : HEP_OK;
+    return finish(g, stream, 0, "an asynchronous dispatch/combine");
+}
+
+static void fill_result(hep_group *g, hep_dispatch_result *o)
+{
+    hep_kargs *k = g->kargs;
+    memset(o, 0, sizeof(*o));
+    o->tokens = hep_my_buf(g, HEP_BUF_TOKEN_X);
+    o->probs = (float *)hep_my_buf(g, HEP_BUF_RECV_PROB);
+    o->scales = g->plan.buf[HEP_BUF_RECV_SCALE].present
+                    ? (float *)hep_my_buf(g, HEP_BUF_RECV_SCALE)
+                    : NULL;
+    o->host_counts = (const int *)hep_my_buf(g, HEP_BUF_HOST_COUNTS);
+    o->max_recv_rows = g->plan.max_recv_rows;
+    o->num_recv = -1;
+    if (k) {
+        o->num_recv_device = k->recv_count;
+        o->tokens_per_expert_device = k->tokens_per_expert;
+    }
+}
+
+int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *o)
+{
+    hep_kargs *k;
+    int rc = check_dispatch(g, a, o);
+    if (rc)
+        return rc;
+    if (g->N > 1)
+        return hep_fail(HEP_ERR_UNAVAILABLE,
+                        "dispatch across %d nodes is not available in this version (one node: "
+                        "ranks_per_node = world)",
+                        g->N);
+    if (g->cfg.backend == HEP_BACKEND_HOST)
+        return hep_host_dispatch(g, a, o);
+    k = g->kargs;
+    k->t = a->num_tokens;
+    k->K = a->topk;
+    k->index64 = a->index_type == HEP_INDEX_INT64;
+    k->tokens = a->tokens;
+    k->scales = a->scales;
+    k->topk_idx = a->topk_idx;
+    k->weights = a->topk_weights;
+    k->timeout_ns = hep_env_get()->timeout_ms * 1000000ull;
+    rc = hep_launch_preprocess(k, a->stream);
+    if (rc == 0)
+        rc = hep_launch_dispatch(k, g->cfg.dispatch_sms, a->stream);
+    if (rc)
+        return cuda_status((cudaError_t)rc, "hep_dispatch: kernel launch");
+    g->last_t = a->num_tokens;
+    g->last_handle = ++g->epoch;
+    fill_result(g, o);
+    o->handle = g->last_handle;
+    rc = finish(g, a->stream, a->flags, "dispatch");
+    if (rc == HEP_OK && !(a->flags & HEP_ASYNC))
+        o->num_recv = o->host_counts[0];
+    return rc;
+}
+
+int hep_combine(hep_group *g, const hep_combine_args *a)
+{
+    hep_kargs *k;
+    int rc;
+    if (!g || !a)
+        return hep_fail(HEP_ERR_INVALID, "hep_combine: NULL group or arguments");
+    if (g->broken)
+        return hep_fail(HEP_ERR_TIMEOUT, "group is unusable after an earlier failure: %s",
+                        g->broken_msg);
+    if (a->handle == 0 || a->handle != g->last_handle)
+        return hep_fail(HEP_ERR_INVALID,
+                        "hep_combine: handle %llu is not the last dispatch's (%llu): combine "
+                        "follows its dispatch, once",
+                        (unsigned long long)a->handle, (unsigned long long)g->last_handle);
+    if (g->last_t > 0 && ((rc = check_ptr(a->out, 16, "hep_combine: out")) ||
+                          (rc = check_ptr(a->expert_out, 16, "hep_combine: expert_out"))))
+        return rc;
+    if (g->cfg.backend == HEP_BACKEND_HOST)
+        rc = hep_host_combine(g, a);
+    else {
+        k = g->kargs;
+        k->combine_out = a->out;
+        k->t = g->last_t;
+        k->combine_in = a->expert_out;
+        k->x_stride_in = g->cfg.hidden * 2;
+        rc = 0;
+        if (a->expert_out && a->expert_out != hep_my_buf(g, HEP_BUF_TOKEN_X))
+            rc = hep_launch_copy_in(k, 64, a->stream);
+        if (rc == 0)
+            rc = hep_launch_combine(k, g->cfg.combine_sms, a->stream);
+        if (rc)
+            return cuda_status((cudaError_t)rc, "hep_combine: kernel launch");
+        rc = finish(g, a->stream, a->flags, "combine");
+    }
+    g->last_handle = 0; /* once */
+    return rc;
+}
+
+void *hep_combine_input(hep_group *g)
+{
+    return g ? hep_my_buf(g, HEP_BUF_TOKEN_X) : NULL;
+}

@@ -1,0 +1,83 @@
+/* kernels/ep_kernels.h: the intra-node dispatch/combine kernels, called from C.
+ *
+ * Protocol (all counters monotonic, never reset; e = this rank's call count, kept on the
+ * device so graph replays advance it):
+ *  preprocess (1 block): routing -> per-destination positions and counts; publishes its
+ *    counts to its own shared buffer (double-buffered by e & 1), then COUNTS_READY = e;
+ *    waits for every node-mate's COUNTS_READY >= e; derives its row base at each
+ *    destination, its received count and tokens per expert.
+ *  dispatch (S blocks): pushes rows, probabilities and scales into the destinations'
+ *    buffers; each block then adds 1 to DISPATCH_ARRIVE[source] at every destination;
+ *    block 0 waits until DISPATCH_ARRIVE[s] >= e * S for every source s.
+ *  combine (S blocks): COMBINE_READY = e (its expert outputs are in place), waits for
+ *    every node-mate's COMBINE_READY >= e, then pulls and sums the rows of its tokens.
+ * Every wait is bounded; on expiry the waiter fills the diag record and all kernels of
+ * the rank stop.
+ */
+#ifndef HEP_EP_KERNELS_H
+#define HEP_EP_KERNELS_H
+
+#include <stdint.h>
+
+#define HEP_GPU_MAX_LOCAL 32 /* ranks per node of the GPU kernels (one warp of lanes) */
+
+/* Layout of a rank's flags buffer (u64 monotonic counters), in words. */
+#define HEP_FLAG_COUNTS_READY 0     /* this rank published its counts for call e */
+#define HEP_FLAG_COMBINE_READY 8    /* this rank's combine input rows are in place for call e */
+#define HEP_FLAG_HOST_DONE 9        /* host backend: this rank finished reading, call e */
+#define HEP_FLAG_DISPATCH_ARRIVE 16 /* [W]: blocks of source s that finished writing here */
+
+enum { HEP_STAGE_PREPROCESS = 1, HEP_STAGE_DISPATCH = 2, HEP_STAGE_COMBINE = 3 };
+
+/* Host-mapped record of the first failure seen by a rank's kernels. */
+typedef struct hep_diag {
+    unsigned int timeout_claimed; /* 0, or 1 once a waiter gave up (all kernels stop) */
+    int stage, block, peer;
+    unsigned long long expected, seen, waited_ns;
+    unsigned int invalid_claimed; /* an expert id out of range was seen (slot ignored) */
+    int bad_token, bad_slot, pad;
+    long long bad_value;
+} hep_diag;
+
+typedef struct hep_kargs {
+    int local, R, H, El, K, t, esize, nscale, index64;
+    unsigned long long timeout_ns;
+    /* inputs */
+    const void *tokens;
+    const float *scales;
+    const void *topk_idx;
+    const float *weights;
+    /* this rank */
+    int *dest_rows;                  /* [T, R]: position at each destination or -1 */
+    int *meta;                       /* [0..R) row base at each destination */
+    unsigned long long *epoch;       /* device-side call counter */
+    int *recv_count;                 /* device int */
+    int *tokens_per_expert;          /* device [El] */
+    int *host_counts;                /* mapped host [1 + El] */
+    hep_diag *diag;                  /* mapped host */
+    const void *combine_in;          /* combine: rows to copy into X first (or NULL) */
+    void *combine_out;               /* combine: [t, H] bf16 */
+    /* the node, by local rank */
+    char *x[HEP_GPU_MAX_LOCAL];
+    float *prob[HEP_GPU_MAX_LOCAL];
+    float *scale[HEP_GPU_MAX_LOCAL];
+    int *counts[HEP_GPU_MAX_LOCAL];
+    unsigned long long *flags[HEP_GPU_MAX_LOCAL];
+    int x_stride_in;                 /* bytes of one combine input row of combine_in */
+} hep_kargs;
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+/* Each returns 0 or a cudaError_t of the launch. `stream` is a cudaStream_t. */
+int hep_launch_preprocess(const hep_kargs *a, void *stream);
+int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream);
+int hep_launch_combine(const hep_kargs *a, int blocks, void *stream);
+/* Copy recv_count rows (read on the device) of combine_in into this rank's X. */
+int hep_launch_copy_in(const hep_kargs *a, int blocks, void *stream);
+/* Bytes of dynamic shared memory the preprocess kernel needs for R ranks, El experts. */
+size_t hep_preprocess_smem(int R, int El);
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,54 @@
+/* A dispatch + combine case run on W ranks (threads), results kept for the main thread,
+ * and an independent global oracle that computes what every rank must receive. */
+#ifndef HEP_TEST_EP_CASE_H
+#define HEP_TEST_EP_CASE_H
+
+#include <stdint.h>
+
+#include "hybridep/hybridep.h"
+
+#define EP_MAX_RANKS 16
+
+typedef struct ep_rank_in {
+    int t;
+    void *tokens;      /* [t, H] bf16 (uint16) or fp8 (uint8) */
+    float *scales;     /* fp8: [t, H/128] */
+    void *idx;         /* [t, K] int32 or int64 */
+    float *weights;    /* [t, K] */
+    uint16_t *expert_out_seed; /* combine input rows; NULL: derive from the received rows */
+} ep_rank_in;
+
+typedef struct ep_rank_out {
+    int rc_dispatch, rc_combine;
+    char err[1024];
+    int num_recv;
+    int *tpe;               /* [El] */
+    unsigned char *tokens;  /* [num_recv, H * esize] */
+    float *probs;           /* [num_recv, El] */
+    float *scales;          /* [num_recv, H/128] */
+    uint16_t *expert_out;   /* what this rank passed to combine */
+    uint16_t *combined;     /* [t, H] */
+} ep_rank_out;
+
+typedef struct ep_case {
+    hep_config cfg;
+    int world, K, index64, skip_rank, zero_copy, repeat;
+    int gave_up;              /* ranks whose dispatch failed (for skip_rank) */
+    int has_t_fixed, t_fixed; /* ep_case_random: every rank gets t_fixed tokens */
+    ep_rank_in in[EP_MAX_RANKS];
+    ep_rank_out out[EP_MAX_RANKS];
+} ep_case;
+
+/* Runs the case (host backend unless cfg says otherwise). */
+int ep_case_run(ep_case *c);
+void ep_case_free(ep_case *c);
+/* Random inputs: tokens in [0, T], K slots, some -1, some duplicates. */
+void ep_case_random(ep_case *c, unsigned seed, int skew);
+/* Checks every rank against the global oracle; returns the number of mismatches and
+ * prints the first few. */
+int ep_case_check(const ep_case *c);
+
+uint16_t bf16_of(float f);
+float f32_of_bf16(uint16_t h);
+
+#endif
