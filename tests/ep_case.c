@@ -235,28 +235,25 @@ int ep_case_check(const ep_case *c)
                 MISMATCH("rank %d expert %d: %d tokens, expected %d\n", d, j, o->tpe[j], tpe[j]);
         free(tpe);
     }
-    /* combine: for each source token, the f32 sum over destinations in rank order */
-    for (int s = 0; s < c->world; s++) {
-        for (int i = 0; i < c->in[s].t; i++) {
-            int rows[EP_MAX_RANKS];
-            for (int d = 0; d < c->world; d++) {
-                rows[d] = -1;
-                if (!routed_to(c, s, i, d))
-                    continue;
-                rows[d] = 0;
-                for (int s2 = 0; s2 <= s; s2++)
-                    for (int i2 = 0; i2 < (s2 == s ? i : c->in[s2].t); i2++)
-                        rows[d] += routed_to(c, s2, i2, d);
-            }
-            for (int h = 0; h < H; h++) {
-                float acc = 0;
+    /* combine: for each source token, the f32 sum over destinations in rank order; the
+     * row of (s, i) at d counts the tokens routed to d before it in [source][token] order */
+    {
+        int next[EP_MAX_RANKS] = {0};
+        for (int s = 0; s < c->world; s++) {
+            for (int i = 0; i < c->in[s].t; i++) {
+                int rows[EP_MAX_RANKS];
                 for (int d = 0; d < c->world; d++)
-                    if (rows[d] >= 0)
-                        acc += f32_of_bf16(c->out[d].expert_out[(size_t)rows[d] * H + h]);
-                if (c->out[s].combined[(size_t)i * H + h] != bf16_of(acc)) {
-                    MISMATCH("rank %d token %d channel %d: combined %g, expected %g\n", s, i, h,
-                             f32_of_bf16(c->out[s].combined[(size_t)i * H + h]), acc);
-                    break;
+                    rows[d] = routed_to(c, s, i, d) ? next[d]++ : -1;
+                for (int h = 0; h < H; h++) {
+                    float acc = 0;
+                    for (int d = 0; d < c->world; d++)
+                        if (rows[d] >= 0)
+                            acc += f32_of_bf16(c->out[d].expert_out[(size_t)rows[d] * H + h]);
+                    if (c->out[s].combined[(size_t)i * H + h] != bf16_of(acc)) {
+                        MISMATCH("rank %d token %d channel %d: combined %g, expected %g\n", s, i,
+                                 h, f32_of_bf16(c->out[s].combined[(size_t)i * H + h]), acc);
+                        break;
+                    }
                 }
             }
         }

@@ -202,7 +202,11 @@ int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *
     k->topk_idx = a->topk_idx;
     k->weights = a->topk_weights;
     k->timeout_ns = hep_env_get()->timeout_ms * 1000000ull;
+    if (g->bench_events[0])
+        cudaEventRecord((cudaEvent_t)g->bench_events[0], (cudaStream_t)a->stream);
     rc = hep_launch_preprocess(k, a->stream);
+    if (g->bench_events[1])
+        cudaEventRecord((cudaEvent_t)g->bench_events[1], (cudaStream_t)a->stream);
     if (rc == 0)
         rc = hep_launch_dispatch(k, g->cfg.dispatch_sms, a->stream);
     if (rc)

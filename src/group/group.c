@@ -231,6 +231,23 @@ static int map_peers(hep_group *g, const rank_card *cards)
         }
         if (c->pid == cards[g->rank].pid && strcmp(c->host, cards[g->rank].host) == 0) {
             g->peer_shared[l] = (char *)(uintptr_t)c->shared_base;
+            if (g->cfg.backend == HEP_BACKEND_GPU && c->device != g->device) {
+                int can = 0;
+                cudaError_t e = cudaDeviceCanAccessPeer(&can, g->device, c->device);
+                if (e == cudaSuccess && !can)
+                    return hep_fail(HEP_ERR_UNAVAILABLE,
+                                    "GPU %d cannot access GPU %d of rank %d as a peer (no NVLink or "
+                                    "P2P; see hybridep doctor)",
+                                    g->device, c->device, base + l);
+                if (e == cudaSuccess)
+                    e = cudaDeviceEnablePeerAccess(c->device, 0);
+                if (e == cudaErrorPeerAccessAlreadyEnabled)
+                    e = cudaSuccess;
+                (void)cudaGetLastError();
+                if (e != cudaSuccess)
+                    return hep_fail(HEP_ERR_CUDA, "enabling peer access from GPU %d to GPU %d: %s",
+                                    g->device, c->device, cudaGetErrorString(e));
+            }
             continue;
         }
         if (g->cfg.backend == HEP_BACKEND_HOST)
