@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call. Expects the binaries built
-# by bench/gpu_build.sh in .gpu/ (carried with the call). Logs go to $OUT (or /tmp).
+# by bench/gpu_build.sh in .gpu/ (carried with the call). Full logs go to $OUT.
+# Usage: bench/gpu_check.sh [all|test|bench]   (BENCH_ARGS adds options to every bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hep-gpu}
@@ -8,32 +9,36 @@ mkdir -p "$OUT"
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}
 export CUDA_DEVICE_MAX_CONNECTIONS=32 PYTHONUNBUFFERED=1 HEP_TIMEOUT_MS=${HEP_TIMEOUT_MS:-5000}
 B=.gpu
-step() { echo; echo "=== $* ($(date +%T))"; }
-step "device"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
-$B/hybridep doctor | tee "$OUT/doctor.txt"
 MODE=${1:-all}
+step() { echo; echo "=== $* ($(date +%T))"; }
+{
+  step "device"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
+  $B/hybridep doctor
+} 2>&1 | tee "$OUT/device.txt"
 if [ "$MODE" = all ] || [ "$MODE" = test ]; then
-  step "GPU tests (kernels vs host backend and oracle, graph replay, timeout, DMA-BUF)"
-  timeout 420 $B/test_gpu_ep 2>&1 | tee "$OUT/test_gpu_ep.txt" | grep -vE '^\[ *(RUN|OK) ' | tail -40
-  step "compute-sanitizer memcheck (small case)"
-  HEP_GPU_TEST_SMALL=1 timeout 240 compute-sanitizer --tool memcheck --leak-check full \
-    $B/test_gpu_ep 2>&1 | tail -12 | tee "$OUT/memcheck.txt"
-  step "compute-sanitizer racecheck (small case)"
-  HEP_GPU_TEST_SMALL=1 timeout 240 compute-sanitizer --tool racecheck \
-    $B/test_gpu_ep 2>&1 | tail -8 | tee "$OUT/racecheck.txt"
+  {
+    step "GPU tests (kernels vs host backend and oracle, graph replay, timeout, DMA-BUF)"
+    timeout 420 $B/test_gpu_ep
+    echo "test_gpu_ep exit: $?"
+  } > "$OUT/test.txt" 2>&1
+  grep -vE '^\[ *(RUN|OK) \]|unavailable; using DMA-BUF' "$OUT/test.txt" | tail -60
+  {
+    step "compute-sanitizer memcheck (small cases)"
+    HEP_GPU_TEST_SMALL=1 timeout 240 compute-sanitizer --tool memcheck --leak-check full $B/test_gpu_ep
+    step "compute-sanitizer racecheck (small cases)"
+    HEP_GPU_TEST_SMALL=1 timeout 240 compute-sanitizer --tool racecheck $B/test_gpu_ep
+  } > "$OUT/sanitizer.txt" 2>&1
+  grep -E "===|SUMMARY|FAILED|PASSED|exit" "$OUT/sanitizer.txt" | grep -v "^=== *$" | tail -12
 fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
-  for dt in bf16 fp8; do
-    step "hybridep bench --dtype $dt"
-    $B/hybridep bench --dtype $dt --dump-routing "$OUT/routing_$dt.bin" ${BENCH_ARGS:-} \
-      | tee "$OUT/bench_$dt.txt"
-    $B/hybridep bench --dtype $dt --json --seed 7 ${BENCH_ARGS:-} > "$OUT/bench_$dt.json" 2>/dev/null
-    step "torch baseline, same routing ($dt)"
-    python3 bench/torch_baseline.py "$OUT/routing_$dt.bin" --ours "$OUT/bench_$dt.json" \
-      2>&1 | tee "$OUT/torch_$dt.txt"
-  done
-  rm -f "$OUT"/routing_*.bin
-  step "summary"
-  grep -hE "^(ceiling|preprocess|dispatch|combine|hybridep vs|verified)" "$OUT"/bench_*.txt "$OUT"/torch_*.txt
+  {
+    for dt in bf16 fp8; do
+      step "hybridep bench --dtype $dt ${BENCH_ARGS:-}"
+      $B/hybridep bench --dtype $dt --seed 7 --dump-routing /tmp/routing_$dt.bin ${BENCH_ARGS:-}
+      $B/hybridep bench --dtype $dt --seed 7 --json ${BENCH_ARGS:-} > /tmp/bench_$dt.json 2>/dev/null
+      step "torch baseline, same routing ($dt)"
+      python3 bench/torch_baseline.py /tmp/routing_$dt.bin --ours /tmp/bench_$dt.json 2>&1
+    done
+  } 2>&1 | tee "$OUT/bench.txt" | grep -vE '^\[bench\]'
 fi

@@ -77,7 +77,11 @@ def main():
     print(f"{'combine':<10} {tc:8.3f} ms {comb_bytes / tc / 1e6:20.0f}")
     if a.ours:
         import json
-        ours = json.load(open(a.ours))
+        try:
+            ours = json.load(open(a.ours))
+        except (OSError, ValueError) as e:
+            print(f"no hybridep figures to compare with ({a.ours}: {e})")
+            return 0
         ph = {p["phase"]: p for p in ours["phases"]}
         print(f"hybridep vs torch: dispatch {td / ph['dispatch']['median_ms']:.2f}x faster, "
               f"combine {tc / ph['combine']['median_ms']:.2f}x faster")

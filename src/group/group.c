@@ -129,9 +129,10 @@ static int check_sm_budget(const hep_group *g, const rank_card *cards)
     for (int r = 0; r < g->world; r++) {
         if (strcmp(cards[r].host, cards[g->rank].host) || strcmp(cards[r].pci, cards[g->rank].pci))
             continue;
+        /* every combine block of every co-located rank waits for the others: they must be
+         * resident together; a rank's preprocess never overlaps its own dispatch/combine */
         need += g->cfg.dispatch_sms > g->cfg.combine_sms ? g->cfg.dispatch_sms
                                                          : g->cfg.combine_sms;
-        need += 1; /* the one-block preprocess kernel */
         who++;
         if (n + 8 < sizeof(list))
             n += (size_t)snprintf(list + n, sizeof(list) - n, "%s%d", who > 1 ? "," : "", r);
@@ -139,7 +140,7 @@ static int check_sm_budget(const hep_group *g, const rank_card *cards)
     if (need > cards[g->rank].sms)
         return hep_fail(HEP_ERR_INVALID,
                         "%d ranks (%s) share GPU %s with %d SMs, but their kernels need %d SMs "
-                        "together (max(dispatch_sms, combine_sms) + 1 each): lower dispatch_sms / "
+                        "together (max(dispatch_sms, combine_sms) each): lower dispatch_sms / "
                         "combine_sms",
                         who, list, cards[g->rank].pci, cards[g->rank].sms, need);
     return HEP_OK;
