@@ -130,13 +130,6 @@ static int run_rank_gpu(rank_ctx *rc)
     for (int rep = 0; rep < (c->repeat ? c->repeat : 1) + (g_opts.graph ? g_opts.replays : 0);
          rep++) {
         int replay = g_opts.graph && rep >= (c->repeat ? c->repeat : 1);
-        if (rc->rank == c->skip_rank) {
-            for (int spin = 0; spin < 400000 && __atomic_load_n(&c->gave_up, __ATOMIC_ACQUIRE) <
-                                                    c->world - 1;
-                 spin++)
-                usleep(100);
-            break;
-        }
         /* poison every output the call must write */
         CK(cudaMemsetAsync(hep_my_buf(g, HEP_BUF_TOKEN_X), 0xff, g->plan.buf[HEP_BUF_TOKEN_X].bytes, st));
         CK(cudaMemsetAsync(hep_my_buf(g, HEP_BUF_RECV_PROB), 0xff, g->plan.buf[HEP_BUF_RECV_PROB].bytes, st));
@@ -146,6 +139,14 @@ static int run_rank_gpu(rank_ctx *rc)
         CK(cudaMemsetAsync(d_out, 0xff, (size_t)H * 2 * (size_t)in->t, st));
         CK(cudaStreamSynchronize(st));
         rc->bs.barrier(rc->bs.ctx); /* nobody writes into a buffer being poisoned */
+        if (rc->rank == c->skip_rank) {
+            /* this rank never calls dispatch; it joins destroy once the others gave up */
+            for (int spin = 0; spin < 400000 && __atomic_load_n(&c->gave_up, __ATOMIC_ACQUIRE) <
+                                                    c->world - 1;
+                 spin++)
+                usleep(100);
+            break;
+        }
         if (replay) {
             if (!exec) {
                 da.flags = HEP_ASYNC;

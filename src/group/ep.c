@@ -34,6 +34,12 @@ int hep_ep_setup(hep_group *g)
                         "ranks_per_node x (experts_per_rank + 1) = %d x %d counters exceed the "
                         "preprocess kernel's shared memory",
                         g->R, g->cfg.experts_per_rank + 1);
+    {
+        int e = hep_kernels_preload();
+        if (e)
+            return hep_fail(HEP_ERR_CUDA, "loading the dispatch/combine kernels on GPU %d: %s",
+                            g->device, cudaGetErrorString((cudaError_t)e));
+    }
     k = calloc(1, sizeof(*k));
     if (!k)
         return hep_fail(HEP_ERR_NOMEM, "group: out of memory");

@@ -384,3 +384,19 @@ extern "C" int hep_launch_copy_in(const hep_kargs *a, int blocks, void *stream)
     k_copy_in<<<blocks, 512, 0, (cudaStream_t)stream>>>(*a);
     return (int)cudaGetLastError();
 }
+
+// With lazy module loading (the CUDA 12+ default) a kernel's first launch loads it, and the
+// load can wait for the kernels already running: when those spin for this very kernel,
+// that is a deadlock. Group creation loads every kernel up front.
+extern "C" int hep_kernels_preload(void)
+{
+    cudaFuncAttributes fa;
+    const void *k[] = {(const void *)k_preprocess, (const void *)k_dispatch,
+                       (const void *)k_combine, (const void *)k_copy_in};
+    for (unsigned i = 0; i < sizeof(k) / sizeof(k[0]); i++) {
+        cudaError_t e = cudaFuncGetAttributes(&fa, k[i]);
+        if (e != cudaSuccess)
+            return (int)e;
+    }
+    return 0;
+}

@@ -75,6 +75,8 @@ int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream);
 int hep_launch_combine(const hep_kargs *a, int blocks, void *stream);
 /* Copy recv_count rows (read on the device) of combine_in into this rank's X. */
 int hep_launch_copy_in(const hep_kargs *a, int blocks, void *stream);
+/* Load every kernel now (lazy loading inside co-dependent kernels can deadlock). */
+int hep_kernels_preload(void);
 /* Bytes of dynamic shared memory the preprocess kernel needs for R ranks, El experts. */
 size_t hep_preprocess_smem(int R, int El);
 #ifdef __cplusplus
