@@ -203,8 +203,9 @@ static int run_rank_gpu(rank_ctx *rc)
             ca.out = d_out;
             ca.stream = st;
             if (c->zero_copy) {
-                CK(cudaMemcpy(hep_combine_input(g), d_eo, (size_t)H * 2 * (size_t)o->num_recv,
-                              cudaMemcpyDeviceToDevice));
+                /* on this rank's stream: a D2D cudaMemcpy may return before it is done */
+                CK(cudaMemcpyAsync(hep_combine_input(g), d_eo, (size_t)H * 2 * (size_t)o->num_recv,
+                                   cudaMemcpyDeviceToDevice, st));
                 ca.expert_out = hep_combine_input(g);
             } else {
                 ca.expert_out = d_eo;

@@ -34,7 +34,9 @@ typedef struct rank_data {
     float *r_probs, *r_scales;
     uint16_t *r_comb;
     /* timings, per iteration (ms) */
-    float *t_disp, *t_comb, *t_pre;
+    float *t_disp, *t_comb, *t_pre;       /* own launch -> own end */
+    float *s_disp, *e_disp, *s_comb, *e_comb; /* start / end after rank 0's reference event */
+    float *s_pre, *e_pre;
     int rc;
     char err[1024];
 } rank_data;
@@ -47,6 +49,7 @@ typedef struct bench {
     hep_inproc_world *world;
     int verify_bad;
     double ceiling_gbs; /* device (or host) copy, read + write */
+    void *ref_event;    /* rank 0's reference event of the current iteration */
 } bench;
 
 static unsigned lcg(unsigned *s)
@@ -224,7 +227,7 @@ static void *gpu_rank(void *p)
     hep_bootstrap bs;
     hep_group *g = NULL;
     cudaStream_t st = NULL;
-    cudaEvent_t ev[6] = {0};
+    cudaEvent_t ev[7] = {0};
     void *d_tok = NULL, *d_idx = NULL, *d_out = NULL;
     float *d_sc = NULL, *d_w = NULL;
     hep_dispatch_args da;
@@ -235,7 +238,7 @@ static void *gpu_rank(void *p)
     CKB(cudaSetDevice(dev));
     HCK(hep_group_create(&b->cfg, &bs, dev, &g));
     CKB(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    for (int k = 0; k < 6; k++)
+    for (int k = 0; k < 7; k++)
         CKB(cudaEventCreate(&ev[k]));
     CKB(cudaMalloc(&d_tok, rb * (size_t)d->t + 16));
     CKB(cudaMalloc((void **)&d_sc, sizeof(float) * (size_t)(b->ns + 1) * (size_t)d->t));
@@ -257,8 +260,9 @@ static void *gpu_rank(void *p)
     da.stream = st;
 
     /* 1. one synchronous call, results kept for the verification */
-    CKB(cudaMemset(hep_combine_input(g), 0xff, g->plan.buf[HEP_BUF_TOKEN_X].bytes)); /* poison */
-    CKB(cudaMemset(d_out, 0xff, (size_t)H * 2 * (size_t)d->t));
+    CKB(cudaMemsetAsync(hep_combine_input(g), 0xff, g->plan.buf[HEP_BUF_TOKEN_X].bytes, st));
+    CKB(cudaMemsetAsync(d_out, 0xff, (size_t)H * 2 * (size_t)d->t, st)); /* poison */
+    CKB(cudaStreamSynchronize(st));
     bs.barrier(bs.ctx);
     HCK(hep_dispatch(g, &da, &dr));
     d->num_recv = dr.num_recv;
@@ -278,7 +282,9 @@ static void *gpu_rank(void *p)
         for (int j = 0; j < d->num_recv; j++)
             for (int c = 0; c < H; c++)
                 h[(size_t)j * H + c] = bf16_of((float)((ta->rank + 1) * 8 + j % 13) + 0.25f * (float)(c % 5));
-        CKB(cudaMemcpy(hep_combine_input(g), h, (size_t)H * 2 * (size_t)d->num_recv, cudaMemcpyHostToDevice));
+        CKB(cudaMemcpyAsync(hep_combine_input(g), h, (size_t)H * 2 * (size_t)d->num_recv,
+                            cudaMemcpyHostToDevice, st));
+        CKB(cudaStreamSynchronize(st));
         free(h);
     }
     bs.barrier(bs.ctx);
@@ -297,9 +303,21 @@ static void *gpu_rank(void *p)
     d->t_disp = calloc((size_t)it_total, sizeof(float));
     d->t_comb = calloc((size_t)it_total, sizeof(float));
     d->t_pre = calloc((size_t)it_total, sizeof(float));
+    d->s_disp = calloc((size_t)it_total, sizeof(float));
+    d->s_pre = calloc((size_t)it_total, sizeof(float));
+    d->e_pre = calloc((size_t)it_total, sizeof(float));
+    d->e_disp = calloc((size_t)it_total, sizeof(float));
+    d->s_comb = calloc((size_t)it_total, sizeof(float));
+    d->e_comb = calloc((size_t)it_total, sizeof(float));
     da.flags = HEP_ASYNC;
     ca.flags = HEP_ASYNC;
     for (int it = 0; it < it_total; it++) {
+        /* rank 0's reference, recorded on an idle stream before anyone launches */
+        if (ta->rank == 0) {
+            CKB(cudaEventRecord(ev[6], st));
+            CKB(cudaEventSynchronize(ev[6]));
+            b->ref_event = ev[6];
+        }
         bs.barrier(bs.ctx);
         CKB(cudaEventRecord(ev[0], st));
         HCK(hep_dispatch(g, &da, &dr));
@@ -316,13 +334,20 @@ static void *gpu_rank(void *p)
         CKB(cudaEventElapsedTime(&d->t_disp[it], ev[0], ev[1]));
         CKB(cudaEventElapsedTime(&d->t_comb[it], ev[2], ev[3]));
         CKB(cudaEventElapsedTime(&d->t_pre[it], ev[4], ev[5]));
+        CKB(cudaEventElapsedTime(&d->s_disp[it], (cudaEvent_t)b->ref_event, ev[0]));
+        CKB(cudaEventElapsedTime(&d->s_pre[it], (cudaEvent_t)b->ref_event, ev[4]));
+        CKB(cudaEventElapsedTime(&d->e_pre[it], (cudaEvent_t)b->ref_event, ev[5]));
+        CKB(cudaEventElapsedTime(&d->e_disp[it], (cudaEvent_t)b->ref_event, ev[1]));
+        CKB(cudaEventElapsedTime(&d->s_comb[it], (cudaEvent_t)b->ref_event, ev[2]));
+        CKB(cudaEventElapsedTime(&d->e_comb[it], (cudaEvent_t)b->ref_event, ev[3]));
+        bs.barrier(bs.ctx); /* the reference event stays alive until all have read it */
     }
     g->bench_events[0] = g->bench_events[1] = NULL;
 out:
     if (d->rc)
         fprintf(stderr, "hybridep bench: rank %d: %s\n", ta->rank, d->err);
     cudaFree(d_tok), cudaFree(d_sc), cudaFree(d_idx), cudaFree(d_w), cudaFree(d_out);
-    for (int k = 0; k < 6; k++)
+    for (int k = 0; k < 7; k++)
         if (ev[k])
             cudaEventDestroy(ev[k]);
     if (st)
@@ -358,18 +383,27 @@ static int cmp_f(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-/* Per iteration the phase takes as long as its slowest rank; the median over iterations. */
+/* Per iteration, a phase lasts from the moment its last rank launched until its last rank
+ * finished (launch skew of the host threads excluded: it is reported on its own); the
+ * median over iterations. which: 0 dispatch (preprocess included), 1 combine, 2 preprocess,
+ * 3 launch skew of dispatch (last start - first start). */
 static double phase_ms(const bench *b, int which)
 {
     float *per = malloc(sizeof(float) * (size_t)b->o.iters), m;
     for (int it = 0; it < b->o.iters; it++) {
-        float mx = 0;
+        int k = b->o.warmup + it;
+        float first = 1e30f, last = -1e30f, end = -1e30f, mx = 0;
         for (int r = 0; r < b->W; r++) {
-            const float *t = which == 0 ? b->rd[r].t_disp : which == 1 ? b->rd[r].t_comb : b->rd[r].t_pre;
-            float v = t[b->o.warmup + it];
-            mx = v > mx ? v : mx;
+            const rank_data *d = &b->rd[r];
+            float s = which == 1 ? d->s_comb[k] : which == 2 ? d->s_pre[k] : d->s_disp[k];
+            float e = which == 1 ? d->e_comb[k] : which == 2 ? d->e_pre[k] : d->e_disp[k];
+            first = s < first ? s : first;
+            last = s > last ? s : last;
+            end = e > end ? e : end;
+            mx = d->t_pre[k] > mx ? d->t_pre[k] : mx;
         }
-        per[it] = mx;
+        per[it] = which == 3 ? last - first : end - last;
+        (void)mx;
     }
     qsort(per, (size_t)b->o.iters, sizeof(float), cmp_f);
     m = per[b->o.iters / 2];
@@ -666,6 +700,9 @@ int hep_cmd_bench(int argc, char **argv)
         return 0;
     }
     ph[0] = (phase_row){"preprocess", 0, 0, phase_ms(&b, 2), 0};
+    if (!b.o.as_json)
+        printf("host launch skew across the %d rank threads (median, excluded below): %.1f us\n",
+               b.W, phase_ms(&b, 3) * 1e3);
     ph[1] = (phase_row){"dispatch", recv, disp_bytes, phase_ms(&b, 0), 0};
     ph[2] = (phase_row){"combine", recv, comb_bytes, phase_ms(&b, 1), 0};
     ph[1].algbw_rank = algd / b.W / (ph[1].ms * 1e-3) / 1e9;
