@@ -35,8 +35,8 @@ if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
   {
     for dt in bf16 fp8; do
       step "hybridep bench --dtype $dt ${BENCH_ARGS:-}"
-      $B/hybridep bench --dtype $dt --seed 7 --dump-routing /tmp/routing_$dt.bin ${BENCH_ARGS:-}
-      $B/hybridep bench --dtype $dt --seed 7 --json ${BENCH_ARGS:-} > /tmp/bench_$dt.json 2>/dev/null
+      $B/hybridep bench --dtype $dt --dump-routing /tmp/routing_$dt.bin \
+        --json-file /tmp/bench_$dt.json ${BENCH_ARGS:-}
       step "torch baseline, same routing ($dt)"
       python3 bench/torch_baseline.py /tmp/routing_$dt.bin --ours /tmp/bench_$dt.json 2>&1
     done

@@ -13,13 +13,14 @@
 #include "cli.h"
 #include "core/core.h"
 #include "group/group.h"
+#include "kernels/ep_kernels.h"
 #include "json.h"
 
 typedef struct bench_opts {
     int R, nodes, H, T, El, K, sms, iters, warmup, gpus, skew, as_json, host;
     hep_dtype dtype;
     unsigned seed;
-    const char *dump;
+    const char *dump, *json_file;
 } bench_opts;
 
 typedef struct rank_data {
@@ -34,9 +35,9 @@ typedef struct rank_data {
     float *r_probs, *r_scales;
     uint16_t *r_comb;
     /* timings, per iteration (ms) */
-    float *t_disp, *t_comb, *t_pre;       /* own launch -> own end */
+    float *t_disp, *t_comb;               /* own launch -> own end */
     float *s_disp, *e_disp, *s_comb, *e_comb; /* start / end after rank 0's reference event */
-    float *s_pre, *e_pre;
+    double *s_pre, *e_pre; /* in-kernel %globaltimer (ms): dispatch start, layout ready */
     int rc;
     char err[1024];
 } rank_data;
@@ -298,14 +299,11 @@ static void *gpu_rank(void *p)
     CKB(cudaMemcpy(d->r_comb, d_out, (size_t)H * 2 * (size_t)d->t, cudaMemcpyDeviceToHost));
 
     /* 2. timed iterations: dispatch then combine, each bracketed by events */
-    g->bench_events[0] = ev[4];
-    g->bench_events[1] = ev[5];
     d->t_disp = calloc((size_t)it_total, sizeof(float));
     d->t_comb = calloc((size_t)it_total, sizeof(float));
-    d->t_pre = calloc((size_t)it_total, sizeof(float));
     d->s_disp = calloc((size_t)it_total, sizeof(float));
-    d->s_pre = calloc((size_t)it_total, sizeof(float));
-    d->e_pre = calloc((size_t)it_total, sizeof(float));
+    d->s_pre = calloc((size_t)it_total, sizeof(double));
+    d->e_pre = calloc((size_t)it_total, sizeof(double));
     d->e_disp = calloc((size_t)it_total, sizeof(float));
     d->s_comb = calloc((size_t)it_total, sizeof(float));
     d->e_comb = calloc((size_t)it_total, sizeof(float));
@@ -333,16 +331,18 @@ static void *gpu_rank(void *p)
         HCK(hep_group_sync(g, st));
         CKB(cudaEventElapsedTime(&d->t_disp[it], ev[0], ev[1]));
         CKB(cudaEventElapsedTime(&d->t_comb[it], ev[2], ev[3]));
-        CKB(cudaEventElapsedTime(&d->t_pre[it], ev[4], ev[5]));
         CKB(cudaEventElapsedTime(&d->s_disp[it], (cudaEvent_t)b->ref_event, ev[0]));
-        CKB(cudaEventElapsedTime(&d->s_pre[it], (cudaEvent_t)b->ref_event, ev[4]));
-        CKB(cudaEventElapsedTime(&d->e_pre[it], (cudaEvent_t)b->ref_event, ev[5]));
+        {
+            const hep_diag *dg =
+                (const hep_diag *)(g->arena[HEP_ARENA_MAPPED] + g->plan.buf[HEP_BUF_DIAG].offset);
+            d->s_pre[it] = (double)dg->t_start / 1e6;
+            d->e_pre[it] = (double)dg->t_layout / 1e6;
+        }
         CKB(cudaEventElapsedTime(&d->e_disp[it], (cudaEvent_t)b->ref_event, ev[1]));
         CKB(cudaEventElapsedTime(&d->s_comb[it], (cudaEvent_t)b->ref_event, ev[2]));
         CKB(cudaEventElapsedTime(&d->e_comb[it], (cudaEvent_t)b->ref_event, ev[3]));
         bs.barrier(bs.ctx); /* the reference event stays alive until all have read it */
     }
-    g->bench_events[0] = g->bench_events[1] = NULL;
 out:
     if (d->rc)
         fprintf(stderr, "hybridep bench: rank %d: %s\n", ta->rank, d->err);
@@ -385,25 +385,24 @@ static int cmp_f(const void *a, const void *b)
 
 /* Per iteration, a phase lasts from the moment its last rank launched until its last rank
  * finished (launch skew of the host threads excluded: it is reported on its own); the
- * median over iterations. which: 0 dispatch (preprocess included), 1 combine, 2 preprocess,
- * 3 launch skew of dispatch (last start - first start). */
+ * median over iterations. which: 0 dispatch (its layout step included), 1 combine,
+ * 2 the layout step inside dispatch (in-kernel timer: last rank's kernel start to last
+ * rank's layout), 3 launch skew of dispatch (last start - first start). */
 static double phase_ms(const bench *b, int which)
 {
     float *per = malloc(sizeof(float) * (size_t)b->o.iters), m;
     for (int it = 0; it < b->o.iters; it++) {
         int k = b->o.warmup + it;
-        float first = 1e30f, last = -1e30f, end = -1e30f, mx = 0;
+        double first = 1e300, last = -1e300, end = -1e300;
         for (int r = 0; r < b->W; r++) {
             const rank_data *d = &b->rd[r];
-            float s = which == 1 ? d->s_comb[k] : which == 2 ? d->s_pre[k] : d->s_disp[k];
-            float e = which == 1 ? d->e_comb[k] : which == 2 ? d->e_pre[k] : d->e_disp[k];
+            double s = which == 1 ? d->s_comb[k] : which == 2 ? d->s_pre[k] : d->s_disp[k];
+            double e = which == 1 ? d->e_comb[k] : which == 2 ? d->e_pre[k] : d->e_disp[k];
             first = s < first ? s : first;
             last = s > last ? s : last;
             end = e > end ? e : end;
-            mx = d->t_pre[k] > mx ? d->t_pre[k] : mx;
         }
-        per[it] = which == 3 ? last - first : end - last;
-        (void)mx;
+        per[it] = (float)(which == 3 ? last - first : end - last);
     }
     qsort(per, (size_t)b->o.iters, sizeof(float), cmp_f);
     m = per[b->o.iters / 2];
@@ -509,6 +508,8 @@ static int parse(int argc, char **argv, bench_opts *o)
             routing = v;
         else if (!strcmp(a, "--dump-routing") && ++i)
             o->dump = v;
+        else if (!strcmp(a, "--json-file") && ++i)
+            o->json_file = v;
         else
             return cli_usage_error("bench", a);
     }
@@ -554,9 +555,10 @@ static void report(const bench *b, const phase_row *ph, int n, const char *gpu_n
                    double host_dispatch_ms, double host_combine_ms)
 {
     const bench_opts *o = &b->o;
-    if (o->as_json) {
+    FILE *jf = o->as_json ? stdout : o->json_file ? fopen(o->json_file, "w") : NULL;
+    if (jf) {
         hep_json j;
-        json_begin(&j, stdout);
+        json_begin(&j, jf);
         json_obj(&j, NULL);
         json_str(&j, "backend", o->host ? "host" : "gpu");
         json_str(&j, "device", gpu_name);
@@ -588,7 +590,10 @@ static void report(const bench *b, const phase_row *ph, int n, const char *gpu_n
         json_end_arr(&j);
         json_end_obj(&j);
         json_finish(&j);
-        return;
+        if (jf != stdout)
+            fclose(jf);
+        if (o->as_json)
+            return;
     }
     printf("\nhybridep bench: %s backend, %d virtual rank(s) on %s%s (%d SMs), H=%d T=%d "
            "E=%d (%d per rank) K=%d %s, %s routing, %d SMs per rank's kernel, %d iterations\n",
@@ -609,6 +614,10 @@ static void report(const bench *b, const phase_row *ph, int n, const char *gpu_n
             printf("%-11s %10.0f %14.0f %8.3f ms %9.0f %7.1f%% %15.1f\n", ph[i].name, ph[i].rows,
                    ph[i].bytes, ph[i].ms, gbs, 100.0 * gbs / b->ceiling_gbs, ph[i].algbw_rank);
     }
+    if (!o->host)
+        printf("preprocess = the layout step inside the dispatch kernel (in-kernel timer), "
+               "included in dispatch; times run from the last rank's launch to the last rank's "
+               "end; GB/s counts the fewest bytes; algbw = received rows x row bytes / time\n");
     (void)host_dispatch_ms, (void)host_combine_ms;
 }
 
@@ -699,7 +708,7 @@ int hep_cmd_bench(int argc, char **argv)
         report(&b, ph, 1, gpu_name, sm_count, hd, hc);
         return 0;
     }
-    ph[0] = (phase_row){"preprocess", 0, 0, phase_ms(&b, 2), 0};
+    ph[0] = (phase_row){"preprocess", 0, 0, phase_ms(&b, 2), 0}; /* inside dispatch */
     if (!b.o.as_json)
         printf("host launch skew across the %d rank threads (median, excluded below): %.1f us\n",
                b.W, phase_ms(&b, 3) * 1e3);

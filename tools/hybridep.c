@@ -17,7 +17,7 @@ static void usage(FILE *f)
                "  bench [--ranks-per-node R] [--hidden H] [--tokens T] [--experts-per-rank E]\n"
                "        [--topk K] [--dtype bf16|fp8] [--sms S] [--iters I] [--warmup W]\n"
                "        [--backend gpu|host] [--routing uniform|skewed] [--gpus G] [--seed S]\n"
-               "        [--dump-routing FILE] [--json]\n"
+               "        [--dump-routing FILE] [--json] [--json-file FILE]\n"
                "                    verify against the host backend, then time dispatch and\n"
                "                    combine against the same run's copy ceiling\n");
 }

@@ -12,7 +12,7 @@
 
 static const char *stage_name(int s)
 {
-    return s == HEP_STAGE_PREPROCESS ? "preprocess (routing counts)"
+    return s == HEP_STAGE_PREPROCESS ? "dispatch layout (routing counts)"
            : s == HEP_STAGE_DISPATCH ? "dispatch (rows arriving)"
            : s == HEP_STAGE_COMBINE  ? "combine (expert outputs ready)"
                                      : "?";
@@ -29,10 +29,10 @@ int hep_ep_setup(hep_group *g)
     if (g->R > HEP_GPU_MAX_LOCAL)
         return hep_fail(HEP_ERR_INVALID, "the GPU kernels support up to %d ranks per node, not %d",
                         HEP_GPU_MAX_LOCAL, g->R);
-    if (hep_preprocess_smem(g->R, g->cfg.experts_per_rank) > 200 * 1024)
+    if (hep_dispatch_smem(g->R, g->cfg.experts_per_rank) > 200 * 1024)
         return hep_fail(HEP_ERR_INVALID,
                         "ranks_per_node x (experts_per_rank + 1) = %d x %d counters exceed the "
-                        "preprocess kernel's shared memory",
+                        "dispatch kernel's shared memory",
                         g->R, g->cfg.experts_per_rank + 1);
     {
         int e = hep_kernels_preload();
@@ -53,8 +53,11 @@ int hep_ep_setup(hep_group *g)
     k->meta = (int *)hep_my_buf(g, HEP_BUF_HANDLE_META);
     /* meta: [0, R) bases; then the epoch (8-byte aligned), the count, tokens per expert */
     k->epoch = (unsigned long long *)(k->meta + ((g->R + 1) & ~1));
-    k->recv_count = (int *)(k->epoch + 1);
+    k->grid_arrive = k->epoch + 1;
+    k->layout_ready = k->epoch + 2;
+    k->recv_count = (int *)(k->epoch + 3);
     k->tokens_per_expert = k->recv_count + 1;
+    k->block_counts = (int *)hep_my_buf(g, HEP_BUF_HANDLE_BLOCKS);
     k->host_counts = (int *)hep_my_buf(g, HEP_BUF_HOST_COUNTS);
     k->diag = (hep_diag *)(g->mapped_dev + g->plan.buf[HEP_BUF_DIAG].offset);
     for (int l = 0; l < g->R; l++) {
@@ -208,13 +211,7 @@ int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *
     k->topk_idx = a->topk_idx;
     k->weights = a->topk_weights;
     k->timeout_ns = hep_env_get()->timeout_ms * 1000000ull;
-    if (g->bench_events[0])
-        cudaEventRecord((cudaEvent_t)g->bench_events[0], (cudaStream_t)a->stream);
-    rc = hep_launch_preprocess(k, a->stream);
-    if (g->bench_events[1])
-        cudaEventRecord((cudaEvent_t)g->bench_events[1], (cudaStream_t)a->stream);
-    if (rc == 0)
-        rc = hep_launch_dispatch(k, g->cfg.dispatch_sms, a->stream);
+    rc = hep_launch_dispatch(k, g->cfg.dispatch_sms, a->stream);
     if (rc)
         return cuda_status((cudaError_t)rc, "hep_dispatch: kernel launch");
     g->last_t = a->num_tokens;

@@ -36,7 +36,6 @@ struct hep_group {
     int last_recv;                  /* rows received by it (host backend, sync mode) */
     uint64_t last_handle;
     int broken;                     /* a timeout left the flags inconsistent */
-    void *bench_events[2];          /* cudaEvent_t around preprocess, when a bench sets them */
     char broken_msg[1024];
 };
 

@@ -8,7 +8,6 @@
 #define FULL 0xffffffffu
 #define DISPATCH_THREADS 512
 #define COMBINE_THREADS 512
-#define PRE_THREADS 1024
 
 // ---------------------------------------------------------------- memory-model helpers
 __device__ __forceinline__ unsigned long long ld_acquire(const unsigned long long *p)
@@ -84,36 +83,65 @@ __device__ __forceinline__ long long topk_at(const hep_kargs &a, int i, int k)
     return a.index64 ? ((const long long *)a.topk_idx)[o] : (long long)((const int *)a.topk_idx)[o];
 }
 
-// ---------------------------------------------------------------- preprocess
-extern "C" size_t hep_preprocess_smem(int R, int El)
+// ---------------------------------------------------------------- dispatch (fused)
+// One kernel per call, S blocks. Block b owns tokens [b*chunk, (b+1)*chunk).
+//  1. every block: routing of its tokens -> destination mask, its position among the
+//     block's tokens for each destination, per-(destination, expert) counts (added to the
+//     published counts), its per-destination totals; then it arrives at the rank's grid
+//     counter.
+//  2. block 0: totals -> published counts -> COUNTS_READY; waits for every node-mate's;
+//     derives this rank's row base at each destination, what it receives, tokens per
+//     expert; LAYOUT_READY. The other blocks meanwhile turn their positions into rank-wide
+//     positions (prefix over the blocks before them).
+//  3. every block: pushes its tokens' rows, probabilities and scales; arrives at every
+//     destination; block 0 waits for every source's S arrivals.
+#define DU 4 // 16-byte vectors per lane in flight per destination pass
+
+__device__ __forceinline__ int grid_wait(const hep_kargs &a, unsigned long long *ctr,
+                                         unsigned long long expect)
 {
-    return sizeof(int) * ((size_t)R * (El + 1) + 32 * (size_t)R + (size_t)R);
+    __shared__ int ok;
+    if (threadIdx.x == 0)
+        ok = wait_geq(a, ctr, expect, HEP_STAGE_PREPROCESS, a.local);
+    __syncthreads();
+    return ok;
 }
 
-__global__ void __launch_bounds__(PRE_THREADS, 1) k_preprocess(hep_kargs a)
+__global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
 {
     extern __shared__ int sm[];
-    int *cnt = sm;                             // [R][El + 1]
-    int *wcnt = cnt + a.R * (a.El + 1);        // [32 warps][R]
-    int *base = wcnt + 32 * a.R;               // [R] running count
+    const int R = a.R, El = a.El, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nwarps = blockDim.x >> 5, S = gridDim.x, b = blockIdx.x;
+    int *cnt = sm;                      // [R][El]
+    int *wcnt = cnt + R * El;           // [32][R]
+    int *run = wcnt + 32 * R;           // [R]
+    int *pre = run + R;                 // [R] rows of earlier blocks, then base at dest
     __shared__ unsigned long long s_epoch;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, R = a.R, El = a.El;
     const long long E = (long long)El * R;
     const unsigned lt = (1u << lane) - 1u;
+    const int chunk = (a.t + S - 1) / S, t0 = min(a.t, b * chunk), t1 = min(a.t, t0 + chunk);
 
-    if (tid == 0)
+    if (aborted(a))
+        return;
+    if (tid == 0) {
         s_epoch = *a.epoch + 1;
-    for (int j = tid; j < R * (El + 1); j += blockDim.x)
+        if (b == 0)
+            a.diag->t_start = now_ns();
+    }
+    for (int j = tid; j < R * El; j += blockDim.x)
         cnt[j] = 0;
     for (int j = tid; j < R; j += blockDim.x)
-        base[j] = 0;
+        run[j] = 0;
     __syncthreads();
     const unsigned long long e = s_epoch;
+    const size_t par = (size_t)(e & 1) * R * (El + 1);
+    int *mine = a.counts[a.local] + par;
 
-    for (int tile = 0; tile < a.t; tile += blockDim.x) {
+    // 1. positions within this block
+    for (int tile = t0; tile < t1; tile += blockDim.x) {
         const int i = tile + tid;
         unsigned mask = 0;
-        if (i < a.t) {
+        if (i < t1) {
             for (int k = 0; k < a.K; k++) {
                 long long x = topk_at(a, i, k);
                 if (x == -1)
@@ -129,88 +157,120 @@ __global__ void __launch_bounds__(PRE_THREADS, 1) k_preprocess(hep_kargs a)
                 bool dup = false;
                 for (int q = 0; q < k; q++)
                     dup |= topk_at(a, i, q) == x;
-                int d = (int)(x / El);
-                mask |= 1u << d;
+                mask |= 1u << (int)(x / El);
                 if (!dup)
-                    atomicAdd(&cnt[d * (El + 1) + 1 + (int)(x % El)], 1);
+                    atomicAdd(&cnt[(int)(x / El) * El + (int)(x % El)], 1);
             }
         }
         for (int d = 0; d < R; d++) {
-            unsigned b = __ballot_sync(FULL, (mask >> d) & 1u);
+            unsigned bl = __ballot_sync(FULL, (mask >> d) & 1u);
             if (lane == 0)
-                wcnt[warp * R + d] = __popc(b);
+                wcnt[warp * R + d] = __popc(bl);
         }
         __syncthreads();
         if (tid < R) {
-            int run = base[tid];
-            for (int w = 0; w < 32; w++) {
+            int r = run[tid];
+            for (int w = 0; w < nwarps; w++) {
                 int c = wcnt[w * R + tid];
-                wcnt[w * R + tid] = run;
-                run += c;
+                wcnt[w * R + tid] = r;
+                r += c;
             }
-            base[tid] = run;
+            run[tid] = r;
         }
         __syncthreads();
         for (int d = 0; d < R; d++) {
-            unsigned bit = (mask >> d) & 1u;
-            unsigned b = __ballot_sync(FULL, bit);
-            if (i < a.t)
-                a.dest_rows[(size_t)i * R + d] = bit ? wcnt[warp * R + d] + __popc(b & lt) : -1;
+            unsigned bit = (mask >> d) & 1u, bl = __ballot_sync(FULL, bit);
+            if (i < t1)
+                a.dest_rows[(size_t)i * R + d] = bit ? wcnt[warp * R + d] + __popc(bl & lt) : -1;
         }
         __syncthreads();
     }
-    // publish my counts for every destination, then the flag
-    int *mine = a.counts[a.local] + (size_t)(e & 1) * R * (El + 1);
-    for (int j = tid; j < R * (El + 1); j += blockDim.x)
-        mine[j] = (j % (El + 1)) == 0 ? base[j / (El + 1)] : cnt[j];
+    for (int j = tid; j < R * El; j += blockDim.x)
+        if (cnt[j])
+            atomicAdd(&mine[(j / El) * (El + 1) + 1 + j % El], cnt[j]);
+    for (int d = tid; d < R; d += blockDim.x)
+        a.block_counts[(size_t)b * R + d] = run[d];
     __syncthreads();
     if (tid == 0) {
-        *a.epoch = e;
-        __threadfence_system();
-        st_release(a.flags[a.local] + HEP_FLAG_COUNTS_READY, e);
+        __threadfence();
+        red_add_release(a.grid_arrive, 1ull);
     }
-    if (tid < R)
-        wait_geq(a, a.flags[tid] + HEP_FLAG_COUNTS_READY, e, HEP_STAGE_PREPROCESS, tid);
+    if (!grid_wait(a, a.grid_arrive, e * (unsigned long long)S))
+        return;
+
+    if (b == 0) { // 2. the rank's counts, the node's counts, the layout
+        for (int d = tid; d < R; d += blockDim.x) {
+            int total = 0;
+            for (int q = 0; q < S; q++)
+                total += ld_volatile_int(a.block_counts + (size_t)q * R + d);
+            mine[(size_t)d * (El + 1)] = total;
+        }
+        __syncthreads();
+        if (tid == 0) {
+            *a.epoch = e;
+            __threadfence_system();
+            st_release(a.flags[a.local] + HEP_FLAG_COUNTS_READY, e);
+        }
+        if (tid < R)
+            wait_geq(a, a.flags[tid] + HEP_FLAG_COUNTS_READY, e, HEP_STAGE_PREPROCESS, tid);
+        __syncthreads();
+        if (aborted(a))
+            return;
+        if (tid < R) { // my row base at destination tid: rows of the sources before me
+            int off = 0;
+            for (int s2 = 0; s2 < a.local; s2++)
+                off += ld_volatile_int(a.counts[s2] + par + (size_t)tid * (El + 1));
+            a.meta[tid] = off;
+        }
+        for (int j = tid; j <= El; j += blockDim.x) { // what I receive
+            int sum = 0;
+            for (int s2 = 0; s2 < R; s2++)
+                sum += ld_volatile_int(a.counts[s2] + par + (size_t)a.local * (El + 1) + j);
+            if (j == 0)
+                *a.recv_count = sum;
+            else
+                a.tokens_per_expert[j - 1] = sum;
+            a.host_counts[j] = sum;
+        }
+        // the other parity was call e - 1's: every node-mate read it before it arrived
+        // here at the end of that call; it is zeroed for call e + 1's additions
+        for (int j = tid; j < R * (El + 1); j += blockDim.x)
+            a.counts[a.local][(size_t)((e + 1) & 1) * R * (El + 1) + j] = 0;
+        __syncthreads();
+        if (tid == 0) {
+            a.diag->t_layout = now_ns();
+            __threadfence();
+            st_release(a.layout_ready, e);
+        }
+    }
+    // every block: rank-wide positions of its tokens (prefix over the blocks before it)
+    for (int d = tid; d < R; d += blockDim.x) {
+        int p = 0;
+        for (int q = 0; q < b; q++)
+            p += ld_volatile_int(a.block_counts + (size_t)q * R + d);
+        pre[d] = p;
+    }
     __syncthreads();
-    if (aborted(a))
-        return;
-    const size_t par = (size_t)(e & 1) * R * (El + 1);
-    if (tid < R) { // my row base at destination tid: rows of the sources before me
-        int off = 0;
-        for (int s = 0; s < a.local; s++)
-            off += ld_volatile_int(a.counts[s] + par + (size_t)tid * (El + 1));
-        a.meta[tid] = off;
+    for (int k = tid; k < (t1 - t0) * R; k += blockDim.x) {
+        int *dr = a.dest_rows + (size_t)t0 * R + k;
+        if (*dr >= 0)
+            *dr += pre[k % R];
     }
-    for (int j = tid; j <= El; j += blockDim.x) { // what I receive
-        int sum = 0;
-        for (int s = 0; s < R; s++)
-            sum += ld_volatile_int(a.counts[s] + par + (size_t)a.local * (El + 1) + j);
-        if (j == 0)
-            *a.recv_count = sum;
-        else
-            a.tokens_per_expert[j - 1] = sum;
-        a.host_counts[j] = sum;
-    }
-}
-
-// ---------------------------------------------------------------- dispatch
-#define DU 4 // 16-byte vectors per lane in flight per destination pass
-
-__global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
-{
-    if (aborted(a))
+    __syncthreads();
+    if (b != 0 && !grid_wait(a, a.layout_ready, e))
         return;
-    const int lane = threadIdx.x & 31, R = a.R, El = a.El;
-    const int wpb = blockDim.x >> 5;
-    const int gw = blockIdx.x * wpb + (threadIdx.x >> 5), nw = gridDim.x * wpb;
+    if (b == 0)
+        __syncthreads();
+
+    // 3. push
     const size_t rb = (size_t)a.H * a.esize, nvec = rb / 16;
-    const unsigned long long e = *a.epoch;
-    const int mybase = lane < R ? a.meta[lane] : 0;
-
-    for (int i = gw; i < a.t; i += nw) {
+    const int mybase = lane < R ? ld_volatile_int(a.meta + lane) : 0;
+    for (int i = t0 + warp; i < t1; i += nwarps) {
         int pos = lane < R ? a.dest_rows[(size_t)i * R + lane] : -1;
         int row = pos >= 0 ? mybase + pos : -1;
         unsigned mask = __ballot_sync(FULL, row >= 0);
+        long long myid = lane < a.K ? topk_at(a, i, lane) : -2;
+        float myw = lane < a.K ? a.weights[(size_t)i * a.K + lane] : 0.f;
         const uint4 *src = (const uint4 *)((const char *)a.tokens + (size_t)i * rb);
         for (size_t v0 = 0; v0 < nvec; v0 += 32 * DU) {
             uint4 buf[DU];
@@ -235,31 +295,40 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
         for (unsigned m = mask; m; m &= m - 1) {
             int d = __ffs(m) - 1;
             int r = __shfl_sync(FULL, row, d);
-            for (int j = lane; j < El; j += 32) {
-                long long want = (long long)d * El + j;
+            for (int j0 = 0; j0 < El; j0 += 32) {
+                long long want = (long long)d * El + j0 + lane;
                 float p = 0.f;
-                for (int k = 0; k < a.K; k++)
-                    if (topk_at(a, i, k) == want)
-                        p += a.weights[(size_t)i * a.K + k];
-                a.prob[d][(size_t)r * El + j] = p;
+                for (int k = 0; k < a.K; k++) {
+                    long long x = __shfl_sync(FULL, myid, k);
+                    float w = __shfl_sync(FULL, myw, k);
+                    p += x == want ? w : 0.f;
+                }
+                if (j0 + lane < El)
+                    a.prob[d][(size_t)r * El + j0 + lane] = p;
             }
             for (int c = lane; c < a.nscale; c += 32)
                 a.scale[d][(size_t)r * a.nscale + c] = a.scales[(size_t)i * a.nscale + c];
         }
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (tid == 0) {
         __threadfence_system();
         for (int d = 0; d < R; d++)
             red_add_release(a.flags[d] + HEP_FLAG_DISPATCH_ARRIVE + a.local, 1ull);
     }
-    if (blockIdx.x == 0 && threadIdx.x < R)
-        wait_geq(a, a.flags[a.local] + HEP_FLAG_DISPATCH_ARRIVE + threadIdx.x,
-                 e * (unsigned long long)gridDim.x, HEP_STAGE_DISPATCH, threadIdx.x);
+    if (b == 0 && tid < R)
+        wait_geq(a, a.flags[a.local] + HEP_FLAG_DISPATCH_ARRIVE + tid,
+                 e * (unsigned long long)S, HEP_STAGE_DISPATCH, tid);
+}
+
+extern "C" size_t hep_dispatch_smem(int R, int El)
+{
+    return sizeof(int) * ((size_t)R * El + 32 * (size_t)R + 2 * (size_t)R);
 }
 
 // ---------------------------------------------------------------- combine
-#define CU 2 // 16-byte vectors per lane per pass (8 bf16 each)
+#define CU 4 // 16-byte vectors per lane per pass (8 bf16 each)
+#define CD 2 // destinations loaded together
 
 __device__ __forceinline__ void acc8(float *f, uint4 v)
 {
@@ -315,19 +384,34 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
 #pragma unroll
                 for (int q = 0; q < 8; q++)
                     f[u][q] = 0.f;
-            for (unsigned m = mask; m; m &= m - 1) {
-                int d = __ffs(m) - 1;
-                int r = __shfl_sync(FULL, row, d);
-                const uint4 *src = (const uint4 *)(a.x[d] + (size_t)r * rb);
-                uint4 v[CU];
+            // in ascending destination order, CD destinations' rows loaded together
+            for (unsigned m = mask; m;) {
+                const uint4 *src[CD];
+                int n = 0;
 #pragma unroll
-                for (int u = 0; u < CU; u++) {
-                    size_t k = v0 + (size_t)u * 32 + lane;
-                    v[u] = k < nvec ? ld_cg(src + k) : make_uint4(0, 0, 0, 0);
+                for (int c = 0; c < CD; c++) {
+                    src[c] = NULL;
+                    if (m) {
+                        int d = __ffs(m) - 1;
+                        m &= m - 1;
+                        src[c] = (const uint4 *)(a.x[d] + (size_t)__shfl_sync(FULL, row, d) * rb);
+                        n++;
+                    }
                 }
+                uint4 v[CD][CU];
 #pragma unroll
-                for (int u = 0; u < CU; u++)
-                    acc8(f[u], v[u]);
+                for (int c = 0; c < CD; c++)
+#pragma unroll
+                    for (int u = 0; u < CU; u++) {
+                        size_t k = v0 + (size_t)u * 32 + lane;
+                        v[c][u] = (c < n && k < nvec) ? ld_cg(src[c] + k) : make_uint4(0, 0, 0, 0);
+                    }
+#pragma unroll
+                for (int c = 0; c < CD; c++)
+                    if (c < n)
+#pragma unroll
+                        for (int u = 0; u < CU; u++)
+                            acc8(f[u], v[c][u]);
             }
 #pragma unroll
             for (int u = 0; u < CU; u++) {
@@ -354,22 +438,16 @@ __global__ void k_copy_in(hep_kargs a)
 }
 
 // ---------------------------------------------------------------- launchers
-extern "C" int hep_launch_preprocess(const hep_kargs *a, void *stream)
+extern "C" int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream)
 {
-    size_t smem = hep_preprocess_smem(a->R, a->El);
+    size_t smem = hep_dispatch_smem(a->R, a->El);
     cudaError_t e = cudaSuccess;
     if (smem > 48 * 1024)
-        e = cudaFuncSetAttribute(k_preprocess, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        e = cudaFuncSetAttribute(k_dispatch, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  (int)smem);
     if (e != cudaSuccess)
         return (int)e;
-    k_preprocess<<<1, PRE_THREADS, smem, (cudaStream_t)stream>>>(*a);
-    return (int)cudaGetLastError();
-}
-
-extern "C" int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream)
-{
-    k_dispatch<<<blocks, DISPATCH_THREADS, 0, (cudaStream_t)stream>>>(*a);
+    k_dispatch<<<blocks, DISPATCH_THREADS, smem, (cudaStream_t)stream>>>(*a);
     return (int)cudaGetLastError();
 }
 
@@ -391,8 +469,8 @@ extern "C" int hep_launch_copy_in(const hep_kargs *a, int blocks, void *stream)
 extern "C" int hep_kernels_preload(void)
 {
     cudaFuncAttributes fa;
-    const void *k[] = {(const void *)k_preprocess, (const void *)k_dispatch,
-                       (const void *)k_combine, (const void *)k_copy_in};
+    const void *k[] = {(const void *)k_dispatch, (const void *)k_combine,
+                       (const void *)k_copy_in};
     for (unsigned i = 0; i < sizeof(k) / sizeof(k[0]); i++) {
         cudaError_t e = cudaFuncGetAttributes(&fa, k[i]);
         if (e != cudaSuccess)

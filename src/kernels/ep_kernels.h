@@ -2,13 +2,13 @@
  *
  * Protocol (all counters monotonic, never reset; e = this rank's call count, kept on the
  * device so graph replays advance it):
- *  preprocess (1 block): routing -> per-destination positions and counts; publishes its
- *    counts to its own shared buffer (double-buffered by e & 1), then COUNTS_READY = e;
- *    waits for every node-mate's COUNTS_READY >= e; derives its row base at each
- *    destination, its received count and tokens per expert.
- *  dispatch (S blocks): pushes rows, probabilities and scales into the destinations'
- *    buffers; each block then adds 1 to DISPATCH_ARRIVE[source] at every destination;
- *    block 0 waits until DISPATCH_ARRIVE[s] >= e * S for every source s.
+ *  dispatch (one kernel, S blocks): each block scans the routing of its token range
+ *    (positions per destination, per-expert counts); block 0 publishes the rank's counts
+ *    to its shared buffer (double-buffered by e & 1), COUNTS_READY = e, waits for every
+ *    node-mate's, derives the row base at each destination, what it receives and tokens
+ *    per expert, LAYOUT_READY = e; then every block pushes rows, probabilities and scales
+ *    into the destinations' buffers and adds 1 to DISPATCH_ARRIVE[source] at each
+ *    destination; block 0 waits until DISPATCH_ARRIVE[s] >= e * S for every source s.
  *  combine (S blocks): COMBINE_READY = e (its expert outputs are in place), waits for
  *    every node-mate's COMBINE_READY >= e, then pulls and sums the rows of its tokens.
  * Every wait is bounded; on expiry the waiter fills the diag record and all kernels of
@@ -37,6 +37,8 @@ typedef struct hep_diag {
     unsigned int invalid_claimed; /* an expert id out of range was seen (slot ignored) */
     int bad_token, bad_slot, pad;
     long long bad_value;
+    unsigned long long t_start, t_layout; /* %globaltimer of the last dispatch: kernel start,
+                                             layout ready (the preprocess part) */
 } hep_diag;
 
 typedef struct hep_kargs {
@@ -51,6 +53,9 @@ typedef struct hep_kargs {
     int *dest_rows;                  /* [T, R]: position at each destination or -1 */
     int *meta;                       /* [0..R) row base at each destination */
     unsigned long long *epoch;       /* device-side call counter */
+    unsigned long long *grid_arrive; /* blocks of this rank's dispatch that scanned */
+    unsigned long long *layout_ready;/* = e once block 0 derived the layout */
+    int *block_counts;               /* [S][R] tokens per destination of each block */
     int *recv_count;                 /* device int */
     int *tokens_per_expert;          /* device [El] */
     int *host_counts;                /* mapped host [1 + El] */
@@ -70,15 +75,14 @@ typedef struct hep_kargs {
 extern "C" {
 #endif
 /* Each returns 0 or a cudaError_t of the launch. `stream` is a cudaStream_t. */
-int hep_launch_preprocess(const hep_kargs *a, void *stream);
 int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream);
 int hep_launch_combine(const hep_kargs *a, int blocks, void *stream);
 /* Copy recv_count rows (read on the device) of combine_in into this rank's X. */
 int hep_launch_copy_in(const hep_kargs *a, int blocks, void *stream);
 /* Load every kernel now (lazy loading inside co-dependent kernels can deadlock). */
 int hep_kernels_preload(void);
-/* Bytes of dynamic shared memory the preprocess kernel needs for R ranks, El experts. */
-size_t hep_preprocess_smem(int R, int El);
+/* Bytes of dynamic shared memory the dispatch kernel needs for R ranks, El experts. */
+size_t hep_dispatch_smem(int R, int El);
 #ifdef __cplusplus
 }
 #endif

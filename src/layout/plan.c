@@ -231,6 +231,8 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
         HEP_ARENA_LOCAL, 0);
     add(&x, HEP_BUF_HANDLE_META, "handle.meta", "both", "i32", 4, 4 * W + El + 16,
         HEP_ARENA_LOCAL, 0);
+    add(&x, HEP_BUF_HANDLE_BLOCKS, "handle.block_counts", "dispatch", "i32", 4, 132 * W,
+        HEP_ARENA_LOCAL, 0);
     add(&x, HEP_BUF_DIAG, "diag.timeout_record", "both", "byte", 1, 4096, HEP_ARENA_MAPPED, 0);
     add(&x, HEP_BUF_HOST_COUNTS, "host.recv_counts", "dispatch", "i32", 4, El + 1,
         HEP_ARENA_PINNED, 0);
