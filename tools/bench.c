@@ -23,6 +23,10 @@ typedef struct bench_opts {
     const char *dump, *json_file;
 } bench_opts;
 
+typedef struct ceilings {
+    double copy, write, read; /* GB/s: D2D copy (read + write), memset (write), read kernel */
+} ceilings;
+
 typedef struct rank_data {
     int t;
     unsigned char *tokens; /* host [t, H * esize] */
@@ -50,6 +54,7 @@ typedef struct bench {
     hep_inproc_world *world;
     int verify_bad;
     double ceiling_gbs; /* device (or host) copy, read + write */
+    ceilings ceil;      /* device: copy, write-only, read-only */
     void *ref_event;    /* rank 0's reference event of the current iteration */
 } bench;
 
@@ -410,35 +415,61 @@ static double phase_ms(const bench *b, int which)
     return m;
 }
 
-static double device_copy_ceiling(int dev)
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Median of 11 timed runs of one of three operations over 2 GiB. */
+static double time_op(int op, void *a, void *c, size_t bytes, unsigned *sink, int sms)
+{
+    cudaEvent_t e0, e1;
+    double t[11];
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    for (int k = -1; k < 11; k++) { /* k = -1: warm-up */
+        float ms = 0;
+        cudaEventRecord(e0, 0);
+        if (op == 0)
+            cudaMemcpyAsync(c, a, bytes, cudaMemcpyDeviceToDevice, 0);
+        else if (op == 1)
+            cudaMemsetAsync(c, k & 0xff, bytes, 0);
+        else
+            hep_launch_read_ceiling(a, bytes, sink, sms * 4, 0);
+        cudaEventRecord(e1, 0);
+        cudaEventSynchronize(e1);
+        cudaEventElapsedTime(&ms, e0, e1);
+        if (k >= 0)
+            t[k] = ms;
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    qsort(t, 11, sizeof(double), cmp_d);
+    return t[5];
+}
+
+static ceilings device_ceilings(int dev)
 {
     size_t bytes = (size_t)2 << 30;
     void *a = NULL, *c = NULL;
-    cudaEvent_t e0, e1;
-    float t[11];
+    unsigned *sink = NULL;
+    int sms = 0;
+    ceilings r = {NAN, NAN, NAN};
     cudaSetDevice(dev);
-    if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&c, bytes) != cudaSuccess) {
-        cudaFree(a);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&c, bytes) != cudaSuccess ||
+        cudaMalloc((void **)&sink, 4) != cudaSuccess) {
+        cudaFree(a), cudaFree(c);
         (void)cudaGetLastError();
-        return NAN;
+        return r;
     }
     cudaMemset(a, 1, bytes);
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    cudaMemcpy(c, a, bytes, cudaMemcpyDeviceToDevice); /* warm-up */
-    for (int k = 0; k < 11; k++) {
-        cudaEventRecord(e0, 0);
-        cudaMemcpyAsync(c, a, bytes, cudaMemcpyDeviceToDevice, 0);
-        cudaEventRecord(e1, 0);
-        cudaEventSynchronize(e1);
-        cudaEventElapsedTime(&t[k], e0, e1);
-    }
-    qsort(t, 11, sizeof(float), cmp_f);
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    cudaFree(a);
-    cudaFree(c);
-    return 2.0 * (double)bytes / (t[5] * 1e-3) / 1e9;
+    r.copy = 2.0 * (double)bytes / (time_op(0, a, c, bytes, sink, sms) * 1e-3) / 1e9;
+    r.write = (double)bytes / (time_op(1, a, c, bytes, sink, sms) * 1e-3) / 1e9;
+    r.read = (double)bytes / (time_op(2, a, c, bytes, sink, sms) * 1e-3) / 1e9;
+    cudaFree(a), cudaFree(c), cudaFree(sink);
+    return r;
 }
 
 static double host_copy_ceiling(void)
@@ -549,7 +580,18 @@ static int parse(int argc, char **argv, bench_opts *o)
 typedef struct phase_row {
     const char *name;
     double rows, bytes, ms, algbw_rank;
+    double rbytes, wbytes; /* the fewest bytes, read and written */
 } phase_row;
+
+/* The floor a phase's mix of reads and writes allows on this device: the largest of its
+ * reads at the read ceiling, its writes at the write ceiling, both at the copy ceiling. */
+static double floor_ms(const bench *b, const phase_row *p)
+{
+    double r = p->rbytes / (b->ceil.read * 1e9), w = p->wbytes / (b->ceil.write * 1e9);
+    double c = (p->rbytes + p->wbytes) / (b->ceil.copy * 1e9);
+    double m = r > w ? r : w;
+    return (m > c ? m : c) * 1e3;
+}
 
 static void report(const bench *b, const phase_row *ph, int n, const char *gpu_name, int sm_count,
                    double host_dispatch_ms, double host_combine_ms)
@@ -574,6 +616,8 @@ static void report(const bench *b, const phase_row *ph, int n, const char *gpu_n
         json_int(&j, "iters", o->iters);
         json_bool(&j, "verified", !o->host && b->verify_bad == 0);
         json_num(&j, "ceiling_gbs", b->ceiling_gbs);
+        json_num(&j, "write_ceiling_gbs", b->ceil.write);
+        json_num(&j, "read_ceiling_gbs", b->ceil.read);
         json_arr(&j, "phases");
         for (int i = 0; i < n; i++) {
             json_obj(&j, NULL);
@@ -585,6 +629,9 @@ static void report(const bench *b, const phase_row *ph, int n, const char *gpu_n
             json_num(&j, "fraction_of_ceiling",
                      ph[i].bytes ? ph[i].bytes / (ph[i].ms * 1e-3) / 1e9 / b->ceiling_gbs : NAN);
             json_num(&j, "algbw_per_rank_gbs", ph[i].algbw_rank);
+            json_num(&j, "read_bytes", ph[i].rbytes);
+            json_num(&j, "write_bytes", ph[i].wbytes);
+            json_num(&j, "mix_floor_ms", ph[i].bytes ? floor_ms(b, &ph[i]) : NAN);
             json_end_obj(&j);
         }
         json_end_arr(&j);
@@ -603,21 +650,28 @@ static void report(const bench *b, const phase_row *ph, int n, const char *gpu_n
            o->skew ? "skewed" : "uniform", o->sms, o->iters);
     printf("ceiling: %s copy %.0f GB/s (bytes read + written, median, same run)\n",
            o->host ? "host memcpy" : "device-to-device", b->ceiling_gbs);
-    printf("%-11s %10s %14s %11s %9s %8s %15s\n", "phase", "rows", "fewest bytes", "median",
-           "GB/s", "ceiling", "algbw/rank GB/s");
+    if (!o->host)
+        printf("         write-only (memset) %.0f GB/s, read-only (streaming read kernel) %.0f "
+               "GB/s\n",
+               b->ceil.write, b->ceil.read);
+    printf("%-11s %10s %14s %11s %9s %8s %15s %9s\n", "phase", "rows", "fewest bytes", "median",
+           "GB/s", "ceiling", "algbw/rank GB/s", "mix floor");
     for (int i = 0; i < n; i++) {
         double gbs = ph[i].bytes / (ph[i].ms * 1e-3) / 1e9;
         if (ph[i].bytes == 0)
             printf("%-11s %10s %14s %8.1f us %9s %8s %15s\n", ph[i].name, "-", "-", ph[i].ms * 1e3,
                    "-", "-", "-");
         else
-            printf("%-11s %10.0f %14.0f %8.3f ms %9.0f %7.1f%% %15.1f\n", ph[i].name, ph[i].rows,
-                   ph[i].bytes, ph[i].ms, gbs, 100.0 * gbs / b->ceiling_gbs, ph[i].algbw_rank);
+            printf("%-11s %10.0f %14.0f %8.3f ms %9.0f %7.1f%% %15.1f %6.3f ms\n", ph[i].name,
+                   ph[i].rows, ph[i].bytes, ph[i].ms, gbs, 100.0 * gbs / b->ceiling_gbs,
+                   ph[i].algbw_rank, o->host ? NAN : floor_ms(b, &ph[i]));
     }
     if (!o->host)
         printf("preprocess = the layout step inside the dispatch kernel (in-kernel timer), "
                "included in dispatch; times run from the last rank's launch to the last rank's "
-               "end; GB/s counts the fewest bytes; algbw = received rows x row bytes / time\n");
+               "end; GB/s counts the fewest bytes; algbw = received rows x row bytes / time; "
+               "mix floor = the phase's reads at the read ceiling, writes at the write "
+               "ceiling, or all at the copy ceiling, whichever is longest\n");
     (void)host_dispatch_ms, (void)host_combine_ms;
 }
 
@@ -662,7 +716,8 @@ int hep_cmd_bench(int argc, char **argv)
         snprintf(gpu_name, sizeof(gpu_name), "%d x %s", b.o.gpus, p.name);
         sm_count = p.multiProcessorCount;
         fprintf(stderr, "[bench] measuring the device copy ceiling\n");
-        b.ceiling_gbs = device_copy_ceiling(0);
+        b.ceil = device_ceilings(0);
+        b.ceiling_gbs = b.ceil.copy;
         fprintf(stderr, "[bench] GPU: one checked call, then %d warm-up + %d timed iterations\n",
                 b.o.warmup, b.o.iters);
         if (run_threads(&b, gpu_rank))
@@ -703,17 +758,21 @@ int hep_cmd_bench(int argc, char **argv)
                  recv * b.o.El * 4 + (b.esize == 1 ? (in_rows + recv) * b.ns * 4 : 0);
     comb_bytes = recv * b.o.H * 2 + in_rows * b.o.H * 2;
     if (b.o.host) {
-        ph[0] = (phase_row){"dispatch+combine (one host call each, wall)", recv,
-                            disp_bytes + comb_bytes, hd, 0};
+        ph[0] = (phase_row){"host d+c", recv, disp_bytes + comb_bytes, hd, 0, 0, 0};
         report(&b, ph, 1, gpu_name, sm_count, hd, hc);
         return 0;
     }
-    ph[0] = (phase_row){"preprocess", 0, 0, phase_ms(&b, 2), 0}; /* inside dispatch */
+    ph[0] = (phase_row){"preprocess", 0, 0, phase_ms(&b, 2), 0, 0, 0}; /* inside dispatch */
     if (!b.o.as_json)
         printf("host launch skew across the %d rank threads (median, excluded below): %.1f us\n",
                b.W, phase_ms(&b, 3) * 1e3);
-    ph[1] = (phase_row){"dispatch", recv, disp_bytes, phase_ms(&b, 0), 0};
-    ph[2] = (phase_row){"combine", recv, comb_bytes, phase_ms(&b, 1), 0};
+    ph[1] = (phase_row){"dispatch", recv, disp_bytes, phase_ms(&b, 0), 0,
+                        in_rows * b.o.H * b.esize + in_rows * b.o.K * 8 +
+                            (b.esize == 1 ? in_rows * b.ns * 4 : 0),
+                        recv * b.o.H * b.esize + recv * b.o.El * 4 +
+                            (b.esize == 1 ? recv * b.ns * 4 : 0)};
+    ph[2] = (phase_row){"combine", recv, comb_bytes, phase_ms(&b, 1), 0, recv * b.o.H * 2,
+                        in_rows * b.o.H * 2};
     ph[1].algbw_rank = algd / b.W / (ph[1].ms * 1e-3) / 1e9;
     ph[2].algbw_rank = algc / b.W / (ph[2].ms * 1e-3) / 1e9;
     report(&b, ph, 3, gpu_name, sm_count, 0, 0);

@@ -6,16 +6,16 @@
 #include "kernels/ep_kernels.h"
 
 #define FULL 0xffffffffu
+/* Tuning (bench/NOTES.md has what was measured): threads per block, 16-byte vectors per
+ * lane in flight (dispatch DU, combine CU), destinations loaded together by combine (CD). */
+#ifndef DISPATCH_THREADS
 #define DISPATCH_THREADS 512
+#endif
+#ifndef COMBINE_THREADS
 #define COMBINE_THREADS 512
+#endif
 
 // ---------------------------------------------------------------- memory-model helpers
-__device__ __forceinline__ unsigned long long ld_acquire(const unsigned long long *p)
-{
-    unsigned long long v;
-    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-    return v;
-}
 __device__ __forceinline__ void st_release(unsigned long long *p, unsigned long long v)
 {
     asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -47,18 +47,32 @@ __device__ __forceinline__ bool aborted(const hep_kargs &a)
     return *(volatile unsigned int *)&a.diag->timeout_claimed != 0;
 }
 
-// Spin until *flag >= expect, at most timeout_ns; on expiry record who waited for what.
-__device__ bool wait_geq(const hep_kargs &a, const unsigned long long *flag,
-                         unsigned long long expect, int stage, int peer)
+// Spin until *flag >= expect, at most timeout_ns x scale; on expiry record who waited for
+// what. Waits on this rank's own blocks use scale 2, so that when a peer is missing the
+// record names the peer (the wait on it expires first), not the rank's own block 0.
+__device__ __forceinline__ unsigned long long ld_relaxed(const unsigned long long *p)
 {
-    unsigned long long start = now_ns(), seen = ld_acquire(flag);
-    unsigned spins = 0;
+    unsigned long long v;
+    asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ bool wait_geq_s(const hep_kargs &a, const unsigned long long *flag,
+                           unsigned long long expect, int stage, int peer, unsigned scale)
+{
+    // Poll with relaxed loads and a growing sleep (a tight loop of system-scope acquire
+    // loads slows the other blocks' memory traffic); one acquire fence once it is seen.
+    unsigned long long start = now_ns(), seen = ld_relaxed(flag);
+    unsigned sleep_ns = 32, spins = 0;
     while (seen < expect) {
-        if ((++spins & 255) == 0) {
+        __nanosleep(sleep_ns);
+        if (sleep_ns < 1024)
+            sleep_ns <<= 1;
+        if ((++spins & 15) == 0) {
             unsigned long long waited = now_ns() - start;
             if (aborted(a))
                 return false;
-            if (waited > a.timeout_ns) {
+            if (waited > a.timeout_ns * scale) {
                 if (atomicCAS(&a.diag->timeout_claimed, 0u, 1u) == 0u) {
                     a.diag->stage = stage;
                     a.diag->block = blockIdx.x;
@@ -70,11 +84,17 @@ __device__ bool wait_geq(const hep_kargs &a, const unsigned long long *flag,
                 }
                 return false;
             }
-            __nanosleep(64);
         }
-        seen = ld_acquire(flag);
+        seen = ld_relaxed(flag);
     }
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
     return true;
+}
+
+__device__ __forceinline__ bool wait_geq(const hep_kargs &a, const unsigned long long *flag,
+                                         unsigned long long expect, int stage, int peer)
+{
+    return wait_geq_s(a, flag, expect, stage, peer, 1);
 }
 
 __device__ __forceinline__ long long topk_at(const hep_kargs &a, int i, int k)
@@ -95,14 +115,21 @@ __device__ __forceinline__ long long topk_at(const hep_kargs &a, int i, int k)
 //     positions (prefix over the blocks before them).
 //  3. every block: pushes its tokens' rows, probabilities and scales; arrives at every
 //     destination; block 0 waits for every source's S arrivals.
-#define DU 4 // 16-byte vectors per lane in flight per destination pass
+#ifndef DU
+#define DU 4
+#endif
+#ifdef HEP_STREAMING_STORES /* evict-first: the rows are not read again by this kernel */
+#define ST_ROW(p, v) __stcs((p), (v))
+#else
+#define ST_ROW(p, v) (*(p) = (v))
+#endif
 
 __device__ __forceinline__ int grid_wait(const hep_kargs &a, unsigned long long *ctr,
                                          unsigned long long expect)
 {
     __shared__ int ok;
     if (threadIdx.x == 0)
-        ok = wait_geq(a, ctr, expect, HEP_STAGE_PREPROCESS, a.local);
+        ok = wait_geq_s(a, ctr, expect, HEP_STAGE_PREPROCESS, a.local, 2);
     __syncthreads();
     return ok;
 }
@@ -265,7 +292,15 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     // 3. push
     const size_t rb = (size_t)a.H * a.esize, nvec = rb / 16;
     const int mybase = lane < R ? ld_volatile_int(a.meta + lane) : 0;
+#ifdef HEP_STRIDED_TOKENS
     for (int i = t0 + warp; i < t1; i += nwarps) {
+#else
+    /* consecutive tokens per warp: their rows at a destination are adjacent, so each
+     * warp's writes stay in few DRAM pages */
+    const int per_warp = (t1 - t0 + nwarps - 1) / nwarps;
+    const int w0 = min(t1, t0 + warp * per_warp), w1 = min(t1, w0 + per_warp);
+    for (int i = w0; i < w1; i++) {
+#endif
         int pos = lane < R ? a.dest_rows[(size_t)i * R + lane] : -1;
         int row = pos >= 0 ? mybase + pos : -1;
         unsigned mask = __ballot_sync(FULL, row >= 0);
@@ -288,7 +323,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
                 for (int u = 0; u < DU; u++) {
                     size_t v = v0 + (size_t)u * 32 + lane;
                     if (v < nvec)
-                        dst[v] = buf[u];
+                        ST_ROW(dst + v, buf[u]);
                 }
             }
         }
@@ -327,8 +362,17 @@ extern "C" size_t hep_dispatch_smem(int R, int El)
 }
 
 // ---------------------------------------------------------------- combine
-#define CU 4 // 16-byte vectors per lane per pass (8 bf16 each)
-#define CD 2 // destinations loaded together
+#ifndef CU
+#define CU 4
+#endif
+#ifdef HEP_STREAMING_LOADS
+#define LD_ROW(p) __ldcs(p)
+#else
+#define LD_ROW(p) ld_cg(p)
+#endif
+#ifndef CD
+#define CD 2
+#endif
 
 __device__ __forceinline__ void acc8(float *f, uint4 v)
 {
@@ -372,7 +416,13 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     __syncthreads();
     if (aborted(a))
         return;
+#ifdef HEP_STRIDED_TOKENS
     for (int i = gw; i < a.t; i += nw) {
+#else
+    const int per_warp = (a.t + nw - 1) / nw;
+    const int w0 = min(a.t, gw * per_warp), w1 = min(a.t, w0 + per_warp);
+    for (int i = w0; i < w1; i++) {
+#endif
         int pos = lane < R ? a.dest_rows[(size_t)i * R + lane] : -1;
         int row = pos >= 0 ? mybase + pos : -1;
         unsigned mask = __ballot_sync(FULL, row >= 0);
@@ -404,7 +454,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
 #pragma unroll
                     for (int u = 0; u < CU; u++) {
                         size_t k = v0 + (size_t)u * 32 + lane;
-                        v[c][u] = (c < n && k < nvec) ? ld_cg(src[c] + k) : make_uint4(0, 0, 0, 0);
+                        v[c][u] = (c < n && k < nvec) ? LD_ROW(src[c] + k) : make_uint4(0, 0, 0, 0);
                     }
 #pragma unroll
                 for (int c = 0; c < CD; c++)
@@ -477,4 +527,24 @@ extern "C" int hep_kernels_preload(void)
             return (int)e;
     }
     return 0;
+}
+
+// A streaming read of n 16-byte vectors (the bench's read ceiling): every byte read once.
+__global__ void k_read_ceiling(const uint4 *p, size_t n, unsigned *sink)
+{
+    uint4 acc = make_uint4(0, 0, 0, 0);
+    for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < n;
+         k += (size_t)gridDim.x * blockDim.x) {
+        uint4 v = __ldcs(p + k);
+        acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
+    }
+    if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) // keeps the loads; almost never true
+        atomicAdd(sink, 1u);
+}
+
+extern "C" int hep_launch_read_ceiling(const void *p, size_t bytes, unsigned *sink, int blocks,
+                                       void *stream)
+{
+    k_read_ceiling<<<blocks, 512, 0, (cudaStream_t)stream>>>((const uint4 *)p, bytes / 16, sink);
+    return (int)cudaGetLastError();
 }

@@ -79,6 +79,9 @@ int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream);
 int hep_launch_combine(const hep_kargs *a, int blocks, void *stream);
 /* Copy recv_count rows (read on the device) of combine_in into this rank's X. */
 int hep_launch_copy_in(const hep_kargs *a, int blocks, void *stream);
+/* Read `bytes` (a multiple of 16) once, streaming: the bench's read ceiling. */
+int hep_launch_read_ceiling(const void *p, size_t bytes, unsigned *sink, int blocks,
+                            void *stream);
 /* Load every kernel now (lazy loading inside co-dependent kernels can deadlock). */
 int hep_kernels_preload(void);
 /* Bytes of dynamic shared memory the dispatch kernel needs for R ranks, El experts. */
