@@ -171,7 +171,7 @@ int hep_group_sync(hep_group *g, void *stream)
     return finish(g, stream, 0, "an asynchronous dispatch/combine");
 }
 
-static void fill_result(hep_group *g, hep_dispatch_result *o)
+void hep_fill_dispatch_result(hep_group *g, hep_dispatch_result *o)
 {
     hep_kargs *k = g->kargs;
     memset(o, 0, sizeof(*o));
@@ -216,7 +216,7 @@ int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *
         return cuda_status((cudaError_t)rc, "hep_dispatch: kernel launch");
     g->last_t = a->num_tokens;
     g->last_handle = ++g->epoch;
-    fill_result(g, o);
+    hep_fill_dispatch_result(g, o);
     o->handle = g->last_handle;
     rc = finish(g, a->stream, a->flags, "dispatch");
     if (rc == HEP_OK && !(a->flags & HEP_ASYNC))

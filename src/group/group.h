@@ -41,6 +41,8 @@ struct hep_group {
 
 /* group/ep.c */
 int hep_ep_setup(hep_group *g);    /* after the arenas and peers exist */
+/* The result's pointers into this rank's buffers (num_recv = -1, handle 0). */
+void hep_fill_dispatch_result(hep_group *g, hep_dispatch_result *o);
 void hep_ep_teardown(hep_group *g);
 /* ref/host_backend.c: the host backend's halves of dispatch and combine */
 int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *out);

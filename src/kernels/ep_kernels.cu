@@ -104,60 +104,6 @@ __device__ __forceinline__ long long topk_at(const hep_kargs &a, int i, int k)
 }
 
 
-// ---------------------------------------------------------------- bulk (TMA) copies
-#ifdef HEP_TMA_DISPATCH
-#define TMA_CHUNK 4096 /* bytes per bulk request */
-#define TMA_SLOTS 2    /* shared-memory stages per warp */
-#define TMA_GROUP 16   /* tokens whose rows a warp streams between two layout passes */
-__device__ __forceinline__ unsigned smem_u32(const void *p)
-{
-    return (unsigned)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void mbar_init(unsigned long long *bar)
-{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(bar)) : "memory");
-}
-__device__ __forceinline__ void tma_load(void *smem, const void *src, unsigned bytes,
-                                         unsigned long long *bar)
-{
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-                 "r"(bytes)
-                 : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
-                 "%2, [%3];" ::"r"(smem_u32(smem)),
-                 "l"(src), "r"(bytes), "r"(smem_u32(bar))
-                 : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned long long *bar, unsigned parity)
-{
-    unsigned done = 0;
-    while (!done)
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
-                     "selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done)
-                     : "r"(smem_u32(bar)), "r"(parity)
-                     : "memory");
-}
-__device__ __forceinline__ void tma_store(void *dst, const void *smem, unsigned bytes)
-{
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
-                 "r"(smem_u32(smem)), "r"(bytes)
-                 : "memory");
-}
-__device__ __forceinline__ void tma_commit()
-{
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-__device__ __forceinline__ void tma_wait_read_all()
-{
-    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-}
-__device__ __forceinline__ void tma_wait_all()
-{
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
-#endif
-
 // ---------------------------------------------------------------- dispatch (fused)
 // One kernel per call, S blocks. Block b owns tokens [b*chunk, (b+1)*chunk).
 //  1. every block: routing of its tokens -> destination mask, its position among the
@@ -199,6 +145,10 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     int *run = wcnt + 32 * R;           // [R]
     int *pre = run + R;                 // [R] rows of earlier blocks, then base at dest
     __shared__ unsigned long long s_epoch;
+    /* destination tables in shared memory: indexing the kernel parameters by a run-time
+     * destination compiles to constant-bank loads, which stall on every row pass */
+    __shared__ char *s_x[HEP_GPU_MAX_LOCAL];
+    __shared__ float *s_prob[HEP_GPU_MAX_LOCAL], *s_scale[HEP_GPU_MAX_LOCAL];
     const long long E = (long long)El * R;
     const unsigned lt = (1u << lane) - 1u;
     const int chunk = (a.t + S - 1) / S, t0 = min(a.t, b * chunk), t1 = min(a.t, t0 + chunk);
@@ -212,8 +162,12 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     }
     for (int j = tid; j < R * El; j += blockDim.x)
         cnt[j] = 0;
-    for (int j = tid; j < R; j += blockDim.x)
+    for (int j = tid; j < R; j += blockDim.x) {
         run[j] = 0;
+        s_x[j] = a.x[j];
+        s_prob[j] = a.prob[j];
+        s_scale[j] = a.scale[j];
+    }
     __syncthreads();
     const unsigned long long e = s_epoch;
     const size_t par = (size_t)(e & 1) * R * (El + 1);
@@ -349,91 +303,6 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     const int mybase = lane < R ? ld_volatile_int(a.meta + lane) : 0;
     const int per_warp = (t1 - t0 + nwarps - 1) / nwarps;
     const int w0 = min(t1, t0 + warp * per_warp), w1 = min(t1, w0 + per_warp);
-#ifdef HEP_TMA_DISPATCH
-    /* rows move by bulk copies: lane 0 streams TMA_CHUNK pieces through TMA_SLOTS shared
-     * stages, each piece read once and written to every destination; the other lanes
-     * write probabilities and scales meanwhile (first pass of each group) */
-    extern __shared__ int sm_all[];
-    char *stage = (char *)(((uintptr_t)(pre + R) + 127) & ~(uintptr_t)127) +
-                  (size_t)warp * TMA_SLOTS * TMA_CHUNK;
-    unsigned long long *bars = (unsigned long long *)((char *)(((uintptr_t)(pre + R) + 127) &
-                                                               ~(uintptr_t)127) +
-                                                      (size_t)nwarps * TMA_SLOTS * TMA_CHUNK) +
-                               warp * TMA_SLOTS;
-    int *grows = (int *)(bars + (nwarps - warp) * TMA_SLOTS) + warp * TMA_GROUP * R;
-    unsigned uses[TMA_SLOTS] = {0, 0};
-    (void)sm_all;
-    if (lane == 0)
-        for (int q = 0; q < TMA_SLOTS; q++)
-            mbar_init(&bars[q]);
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    __syncwarp();
-    (void)nvec;
-    for (int g0 = w0; g0 < w1; g0 += TMA_GROUP) {
-        const int g1 = min(w1, g0 + TMA_GROUP);
-        for (int i = g0; i < g1; i++) { /* layout pass: rows, probabilities, scales */
-            int pos = lane < R ? a.dest_rows[(size_t)i * R + lane] : -1;
-            int row = pos >= 0 ? mybase + pos : -1;
-            unsigned mask = __ballot_sync(FULL, row >= 0);
-            long long myid = lane < a.K ? topk_at(a, i, lane) : -2;
-            float myw = lane < a.K ? a.weights[(size_t)i * a.K + lane] : 0.f;
-            if (lane < R)
-                grows[(i - g0) * R + lane] = row;
-            for (unsigned m = mask; m; m &= m - 1) {
-                int d = __ffs(m) - 1;
-                int r = __shfl_sync(FULL, row, d);
-                for (int j0 = 0; j0 < El; j0 += 32) {
-                    long long want = (long long)d * El + j0 + lane;
-                    float p = 0.f;
-                    for (int k = 0; k < a.K; k++) {
-                        long long x = __shfl_sync(FULL, myid, k);
-                        float w = __shfl_sync(FULL, myw, k);
-                        p += x == want ? w : 0.f;
-                    }
-                    if (j0 + lane < El)
-                        a.prob[d][(size_t)r * El + j0 + lane] = p;
-                }
-                for (int c = lane; c < a.nscale; c += 32)
-                    a.scale[d][(size_t)r * a.nscale + c] = a.scales[(size_t)i * a.nscale + c];
-            }
-        }
-        __syncwarp();
-        if (lane == 0) { /* the row stream of this group */
-            const int pieces = (int)((rb + TMA_CHUNK - 1) / TMA_CHUNK);
-            const int total = (g1 - g0) * pieces;
-            int issued = 0;
-            for (int n = 0; n < total; n++) {
-                /* keep one piece ahead: issue piece n + 1 (or 0) before storing piece n */
-                while (issued <= n + 1 && issued < total) {
-                    int slot = issued % TMA_SLOTS, ti = issued / pieces, pc = issued % pieces;
-                    unsigned bytes = (unsigned)min((size_t)TMA_CHUNK, rb - (size_t)pc * TMA_CHUNK);
-                    if (issued >= TMA_SLOTS)
-                        tma_wait_read_all(); /* the slot's previous stores have read it */
-                    tma_load(stage + (size_t)slot * TMA_CHUNK,
-                             (const char *)a.tokens + (size_t)(g0 + ti) * rb + (size_t)pc * TMA_CHUNK,
-                             bytes, &bars[slot]);
-                    issued++;
-                }
-                {
-                    int slot = n % TMA_SLOTS, ti = n / pieces, pc = n % pieces;
-                    unsigned bytes = (unsigned)min((size_t)TMA_CHUNK, rb - (size_t)pc * TMA_CHUNK);
-                    mbar_wait(&bars[slot], uses[slot] & 1);
-                    uses[slot]++;
-                    for (int d = 0; d < R; d++) {
-                        int r = grows[ti * R + d];
-                        if (r >= 0)
-                            tma_store(a.x[d] + (size_t)r * rb + (size_t)pc * TMA_CHUNK,
-                                      stage + (size_t)slot * TMA_CHUNK, bytes);
-                    }
-                    tma_commit();
-                }
-            }
-            tma_wait_all(); /* every write done before this warp's tokens count as sent */
-            asm volatile("fence.proxy.async.global;" ::: "memory"); /* async -> generic */
-        }
-        __syncwarp();
-    }
-#else
 #ifdef HEP_STRIDED_TOKENS
     for (int i = t0 + warp; i < t1; i += nwarps) {
 #else
@@ -458,7 +327,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
             for (unsigned m = mask; m; m &= m - 1) {
                 int d = __ffs(m) - 1;
                 int r = __shfl_sync(FULL, row, d);
-                uint4 *dst = (uint4 *)(a.x[d] + (size_t)r * rb);
+                uint4 *dst = (uint4 *)(s_x[d] + (size_t)r * rb);
 #pragma unroll
                 for (int u = 0; u < DU; u++) {
                     size_t v = v0 + (size_t)u * 32 + lane;
@@ -479,13 +348,12 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
                     p += x == want ? w : 0.f;
                 }
                 if (j0 + lane < El)
-                    a.prob[d][(size_t)r * El + j0 + lane] = p;
+                    s_prob[d][(size_t)r * El + j0 + lane] = p;
             }
             for (int c = lane; c < a.nscale; c += 32)
-                a.scale[d][(size_t)r * a.nscale + c] = a.scales[(size_t)i * a.nscale + c];
+                s_scale[d][(size_t)r * a.nscale + c] = a.scales[(size_t)i * a.nscale + c];
         }
     }
-#endif
     __syncthreads();
     if (tid == 0) {
         __threadfence_system();
@@ -499,13 +367,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
 
 extern "C" size_t hep_dispatch_smem(int R, int El)
 {
-    size_t base = sizeof(int) * ((size_t)R * El + 32 * (size_t)R + 2 * (size_t)R);
-#ifdef HEP_TMA_DISPATCH
-    const size_t warps = DISPATCH_THREADS / 32;
-    base += 128 + warps * TMA_SLOTS * TMA_CHUNK + warps * TMA_SLOTS * 8 +
-            warps * TMA_GROUP * (size_t)R * sizeof(int);
-#endif
-    return base;
+    return sizeof(int) * ((size_t)R * El + 32 * (size_t)R + 2 * (size_t)R);
 }
 
 // ---------------------------------------------------------------- combine
@@ -552,6 +414,9 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     const size_t rb = (size_t)a.H * 2, nvec = rb / 16;
     const unsigned long long e = *a.epoch;
     const int mybase = lane < R ? a.meta[lane] : 0;
+    __shared__ const char *s_x[HEP_GPU_MAX_LOCAL]; /* see k_dispatch */
+    if (threadIdx.x < R)
+        s_x[threadIdx.x] = a.x[threadIdx.x];
 
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         __threadfence_system();
@@ -591,7 +456,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
                     if (m) {
                         int d = __ffs(m) - 1;
                         m &= m - 1;
-                        src[c] = (const uint4 *)(a.x[d] + (size_t)__shfl_sync(FULL, row, d) * rb);
+                        src[c] = (const uint4 *)(s_x[d] + (size_t)__shfl_sync(FULL, row, d) * rb);
                         n++;
                     }
                 }

@@ -195,17 +195,10 @@ int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_res
     g->last_t = a->num_tokens;
     g->last_recv = row;
     g->last_handle = e;
-    memset(o, 0, sizeof(*o));
-    o->tokens = hep_my_buf(g, HEP_BUF_TOKEN_X);
-    o->probs = (float *)hep_my_buf(g, HEP_BUF_RECV_PROB);
-    o->scales = g->plan.buf[HEP_BUF_RECV_SCALE].present
-                    ? (float *)hep_my_buf(g, HEP_BUF_RECV_SCALE)
-                    : NULL;
+    hep_fill_dispatch_result(g, o);
     o->num_recv_device = host_counts; /* host memory: the host backend's "device" */
     o->tokens_per_expert_device = host_counts + 1;
-    o->host_counts = host_counts;
     o->num_recv = row;
-    o->max_recv_rows = g->plan.max_recv_rows;
     o->handle = e;
     if (bad)
         return hep_fail(HEP_ERR_INVALID,
