@@ -642,12 +642,22 @@ static void report(const bench *b, const phase_row *ph, int n, const char *gpu_n
         if (o->as_json)
             return;
     }
-    printf("\nhybridep bench: %s backend, %d virtual rank(s) on %s%s (%d SMs), H=%d T=%d "
+    if (o->host) {
+        printf("\nhybridep bench: HOST backend (no GPU): %d virtual ranks as threads, H=%d T=%d "
+               "E=%d (%d per rank) K=%d %s, %s routing, one dispatch + combine (CPU memcpy and "
+               "adds: the reference implementation, not comparable to GPU figures)\n",
+               b->W, o->H, o->T, o->El * b->W, o->El, o->K, b->esize == 1 ? "fp8" : "bf16",
+               o->skew ? "skewed" : "uniform");
+        printf("host memcpy ceiling: %.0f GB/s (bytes read + written)\n", b->ceiling_gbs);
+        printf("received rows: %.0f; fewest bytes of both phases: %.0f; wall time: %.1f ms "
+               "(%.1f GB/s)\n",
+               ph[0].rows, ph[0].bytes, ph[0].ms, ph[0].bytes / (ph[0].ms * 1e-3) / 1e9);
+        return;
+    }
+    printf("\nhybridep bench: GPU backend, %d virtual rank(s) on %s (%d SMs), H=%d T=%d "
            "E=%d (%d per rank) K=%d %s, %s routing, %d SMs per rank's kernel, %d iterations\n",
-           o->host ? "HOST (no GPU: CPU memcpy and adds; not comparable to GPU figures)" : "GPU",
-           b->W, o->host ? "the CPU" : gpu_name, o->host ? "" : "", sm_count, o->H, o->T,
-           o->El * b->W, o->El, o->K, b->esize == 1 ? "fp8" : "bf16",
-           o->skew ? "skewed" : "uniform", o->sms, o->iters);
+           b->W, gpu_name, sm_count, o->H, o->T, o->El * b->W, o->El, o->K,
+           b->esize == 1 ? "fp8" : "bf16", o->skew ? "skewed" : "uniform", o->sms, o->iters);
     printf("ceiling: %s copy %.0f GB/s (bytes read + written, median, same run)\n",
            o->host ? "host memcpy" : "device-to-device", b->ceiling_gbs);
     if (!o->host)

@@ -95,7 +95,8 @@ static void collect_gpus(doctor *d)
     cudaRuntimeGetVersion(&d->runtime);
     e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) {
-        snprintf(d->gpu_error, sizeof(d->gpu_error), "%s: %s", cudaGetErrorName(e),
+        snprintf(d->gpu_error, sizeof(d->gpu_error), "%s%s: %s",
+                 d->driver == 0 ? "no CUDA driver is installed; " : "", cudaGetErrorName(e),
                  cudaGetErrorString(e));
         (void)cudaGetLastError();
         return;
@@ -248,7 +249,11 @@ static void collect_nics(doctor *d)
     }
     list = t->get_device_list(&n);
     if (!list) {
-        snprintf(d->nic_error, sizeof(d->nic_error), "ibv_get_device_list: %s", strerror(errno));
+        int err = errno;
+        snprintf(d->nic_error, sizeof(d->nic_error), "%sibv_get_device_list: %s",
+                 err == ENOSYS ? "this kernel has no RDMA support (no /sys/class/infiniband); "
+                               : "",
+                 strerror(err));
         return;
     }
     d->nnics = n > MAX_NICS ? MAX_NICS : n;
