@@ -178,6 +178,9 @@ static int lb_copy(lb_nic *n, void *dst, const void *src, size_t len, int device
     cudaError_t e;
     if (!device) {
         memcpy(dst, src, len);
+        /* a later write (the flag) becomes visible after this one to an acquiring reader,
+         * on any CPU: the ordering an RC connection gives */
+        __atomic_thread_fence(__ATOMIC_RELEASE);
         return HEP_OK;
     }
     if (!n->have_stream) {

@@ -1,0 +1,264 @@
+/* net/proxy.c: the CPU proxy thread (see proxy.h). */
+#include <pthread.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "core/core.h"
+#include "net/proxy.h"
+
+struct hep_proxy {
+    hep_net *net;
+    pthread_t thread;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int stop, busy;             /* busy: a batch is in flight */
+    hep_proxy_chunk *chunks;
+    unsigned char *posted;      /* per chunk */
+    int n, remaining_posts;     /* chunks not yet posted */
+    uint64_t epoch, outstanding;/* work requests not yet completed */
+    double deadline_ms;
+    int rc;
+    char msg[1024];
+    hep_proxy_peer_stats *stats;/* [world] */
+};
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+
+static void batch_fail(hep_proxy *p, int rc, const char *msg)
+{
+    if (p->rc)
+        return;
+    p->rc = rc;
+    snprintf(p->msg, sizeof(p->msg), "%s", msg);
+}
+
+static int ready(const hep_proxy_chunk *c, uint64_t e)
+{
+    return __atomic_load_n((const uint64_t *)c->ready, __ATOMIC_ACQUIRE) >= e;
+}
+
+/* Post chunk i, extended over the following ready, contiguous chunks of the same peer. */
+static void post_run(hep_proxy *p, int i)
+{
+    hep_net *net = p->net;
+    hep_proxy_chunk *c = &p->chunks[i];
+    size_t len = c->len;
+    int last = i, rc = HEP_OK;
+    while (last + 1 < p->n && !p->posted[last + 1]) {
+        hep_proxy_chunk *x = &p->chunks[last], *y = &p->chunks[last + 1];
+        if (y->peer != c->peer || y->lkey != c->lkey || y->rkey != c->rkey || x->len == 0 ||
+            y->len == 0 || x->laddr + x->len != y->laddr || x->raddr + x->len != y->raddr ||
+            !ready(y, p->epoch))
+            break;
+        len += y->len;
+        last++;
+    }
+    if (len) {
+        rc = net->v->write(net, c->peer, c->lkey, c->laddr, c->rkey, c->raddr, len,
+                           (uint64_t)i);
+        if (rc == HEP_OK) {
+            p->stats[c->peer].bytes += len;
+            p->stats[c->peer].data_wrs++;
+            p->outstanding++;
+        }
+    }
+    for (int k = i; rc == HEP_OK && k <= last; k++) { /* flags after the data, same QP */
+        hep_proxy_chunk *f = &p->chunks[k];
+        rc = net->v->write(net, f->peer, f->flag_lkey, f->flag_laddr, f->flag_rkey,
+                           f->flag_raddr, sizeof(uint64_t), (uint64_t)k);
+        if (rc == HEP_OK) {
+            p->stats[f->peer].flag_wrs++;
+            p->outstanding++;
+        }
+    }
+    if (rc != HEP_OK) {
+        char m[1024];
+        snprintf(m, sizeof(m), "proxy of rank %d: write of '%s' to rank %d (%s NIC) failed: %s",
+                 net->rank, c->name ? c->name : "?", c->peer, net->v->name, hep_last_error());
+        batch_fail(p, rc, m);
+    }
+    for (int k = i; k <= last; k++)
+        p->posted[k] = 1;
+    p->remaining_posts -= last - i + 1;
+}
+
+/* One pass over the batch; returns 1 if it did anything. */
+static int step(hep_proxy *p)
+{
+    hep_net_completion done[32];
+    int did = 0, n;
+    for (int i = 0; i < p->n && !p->rc; i++)
+        if (!p->posted[i] && ready(&p->chunks[i], p->epoch)) {
+            post_run(p, i);
+            did = 1;
+        }
+    n = p->outstanding ? p->net->v->poll(p->net, done, 32) : 0;
+    if (n < 0) {
+        batch_fail(p, -n, hep_last_error());
+        p->outstanding = 0;
+    }
+    for (int k = 0; k < n; k++) {
+        p->outstanding--;
+        if (done[k].status) {
+            char m[1024];
+            snprintf(m, sizeof(m), "proxy of rank %d: a write to rank %d failed: %s",
+                     p->net->rank, done[k].peer, hep_last_error());
+            batch_fail(p, done[k].status, m);
+        }
+        did = 1;
+    }
+    if (!p->rc && p->remaining_posts > 0 && now_ms() > p->deadline_ms) {
+        char m[1024];
+        for (int i = 0; i < p->n; i++)
+            if (!p->posted[i]) {
+                snprintf(m, sizeof(m),
+                         "proxy of rank %d: chunk %d of '%s' for rank %d was not ready within "
+                         "%llu ms (HEP_TIMEOUT_MS): expected %llu, saw %llu; its producer did "
+                         "not publish it",
+                         p->net->rank, i, p->chunks[i].name ? p->chunks[i].name : "?",
+                         p->chunks[i].peer, (unsigned long long)hep_env_get()->timeout_ms,
+                         (unsigned long long)p->epoch,
+                         (unsigned long long)*p->chunks[i].ready);
+                break;
+            }
+        batch_fail(p, HEP_ERR_TIMEOUT, m);
+    }
+    return did;
+}
+
+static void *proxy_main(void *arg)
+{
+    hep_proxy *p = arg;
+    pthread_mutex_lock(&p->lock);
+    while (!p->stop) {
+        if (!p->busy) {
+            pthread_cond_wait(&p->cond, &p->lock);
+            continue;
+        }
+        if (!step(p) && p->remaining_posts > 0 && !p->rc) {
+            pthread_mutex_unlock(&p->lock);
+            sched_yield(); /* nothing ready yet */
+            pthread_mutex_lock(&p->lock);
+        }
+        if ((p->remaining_posts == 0 && p->outstanding == 0) || (p->rc && p->outstanding == 0)) {
+            p->busy = 0;
+            pthread_cond_broadcast(&p->cond);
+        }
+    }
+    pthread_mutex_unlock(&p->lock);
+    return NULL;
+}
+
+int hep_proxy_create(hep_net *net, hep_proxy **out)
+{
+    hep_proxy *p = calloc(1, sizeof(*p));
+    if (!p || !(p->stats = calloc((size_t)net->world, sizeof(*p->stats)))) {
+        free(p);
+        return hep_fail(HEP_ERR_NOMEM, "proxy: out of memory");
+    }
+    p->net = net;
+    pthread_mutex_init(&p->lock, NULL);
+    pthread_cond_init(&p->cond, NULL);
+    if (pthread_create(&p->thread, NULL, proxy_main, p) != 0) {
+        free(p->stats);
+        free(p);
+        return hep_fail(HEP_ERR_INTERNAL, "proxy: cannot start its thread");
+    }
+    *out = p;
+    return HEP_OK;
+}
+
+int hep_proxy_submit(hep_proxy *p, const hep_proxy_chunk *chunks, int n, uint64_t epoch)
+{
+    int rc = HEP_OK;
+    if (!p || n < 0 || (n && !chunks))
+        return hep_fail(HEP_ERR_INVALID, "proxy: invalid batch");
+    pthread_mutex_lock(&p->lock);
+    if (p->busy) {
+        pthread_mutex_unlock(&p->lock);
+        return hep_fail(HEP_ERR_INVALID, "proxy: a batch is already in flight");
+    }
+    for (int i = 0; i < n; i++)
+        if (chunks[i].peer < 0 || chunks[i].peer >= p->net->world || !chunks[i].ready)
+            rc = hep_fail(HEP_ERR_INVALID, "proxy: chunk %d has no ready counter or peer %d", i,
+                          chunks[i].peer);
+    free(p->chunks);
+    free(p->posted);
+    p->chunks = rc ? NULL : malloc(sizeof(*chunks) * (size_t)(n ? n : 1));
+    p->posted = rc ? NULL : calloc((size_t)(n ? n : 1), 1);
+    if (!rc && (!p->chunks || !p->posted))
+        rc = hep_fail(HEP_ERR_NOMEM, "proxy: out of memory");
+    if (!rc) {
+        memcpy(p->chunks, chunks, sizeof(*chunks) * (size_t)n);
+        p->n = p->remaining_posts = n;
+        p->epoch = epoch;
+        p->rc = 0;
+        p->msg[0] = 0;
+        p->deadline_ms = now_ms() + (double)hep_env_get()->timeout_ms;
+        p->busy = 1;
+        pthread_cond_broadcast(&p->cond);
+    }
+    pthread_mutex_unlock(&p->lock);
+    return rc;
+}
+
+int hep_proxy_wait(hep_proxy *p)
+{
+    int rc;
+    pthread_mutex_lock(&p->lock);
+    while (p->busy)
+        pthread_cond_wait(&p->cond, &p->lock); /* the thread itself ends every batch in time */
+    rc = p->rc;
+    if (rc)
+        hep_set_error_text(p->msg);
+    pthread_mutex_unlock(&p->lock);
+    return rc;
+}
+
+void hep_proxy_stats(hep_proxy *p, int peer, hep_proxy_peer_stats *out)
+{
+    pthread_mutex_lock(&p->lock);
+    *out = p->stats[peer];
+    pthread_mutex_unlock(&p->lock);
+}
+
+void hep_proxy_destroy(hep_proxy *p)
+{
+    if (!p)
+        return;
+    pthread_mutex_lock(&p->lock);
+    p->stop = 1;
+    pthread_cond_broadcast(&p->cond);
+    pthread_mutex_unlock(&p->lock);
+    pthread_join(p->thread, NULL);
+    pthread_mutex_destroy(&p->lock);
+    pthread_cond_destroy(&p->cond);
+    free(p->chunks);
+    free(p->posted);
+    free(p->stats);
+    free(p);
+}
+
+int hep_proxy_wait_flag(const volatile uint64_t *flag, uint64_t expect, int me, int peer,
+                        const char *what)
+{
+    double start = now_ms(), limit = (double)hep_env_get()->timeout_ms;
+    while (__atomic_load_n((const uint64_t *)flag, __ATOMIC_ACQUIRE) < expect) {
+        if (now_ms() - start > limit)
+            return hep_fail(HEP_ERR_TIMEOUT,
+                            "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for %s from rank %d: "
+                            "expected %llu, saw %llu: rank %d did not arrive",
+                            me, now_ms() - start, what, peer, (unsigned long long)expect,
+                            (unsigned long long)*flag, peer);
+        sched_yield();
+    }
+    return HEP_OK;
+}

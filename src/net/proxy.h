@@ -1,0 +1,60 @@
+/* net/proxy.h: the CPU proxy of the inter-node path.
+ *
+ * One thread per rank drives the rank's NIC. A call submits a batch of chunks; each chunk
+ * is a range of a registered local buffer to send to a peer, with a ready counter the
+ * producer (a kernel, through host-mapped memory, or the host) raises to the call's epoch
+ * when the chunk's data is in place. The proxy posts a chunk's RDMA WRITE as soon as it is
+ * ready, then the chunk's flag write (8 bytes holding the epoch) on the same connection,
+ * so the flag lands after the data (RC ordering). Ready chunks to the same peer whose
+ * local and remote ranges are contiguous go out as one write. Nothing waits forever: a
+ * chunk that is not ready within HEP_TIMEOUT_MS fails the batch with a message naming it.
+ */
+#ifndef HEP_NET_PROXY_H
+#define HEP_NET_PROXY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "net/net.h"
+
+typedef struct hep_proxy_chunk {
+    const volatile uint64_t *ready; /* producer sets >= epoch when the data is in place */
+    int peer;                       /* destination rank */
+    uint32_t lkey, rkey;            /* data: local registration, remote key */
+    uint64_t laddr, raddr;          /* original addresses */
+    size_t len;                     /* 0: a flag only */
+    uint32_t flag_lkey, flag_rkey;  /* the flag: a registered local u64 that holds >= epoch
+                                       once the chunk is ready (the ready counter itself,
+                                       when it is registered), and where it goes */
+    uint64_t flag_laddr, flag_raddr;
+    const char *name;               /* buffer name, for messages */
+} hep_proxy_chunk;
+
+typedef struct hep_proxy_peer_stats {
+    uint64_t bytes;     /* data bytes posted (flags not counted) */
+    uint64_t data_wrs;  /* data work requests posted */
+    uint64_t flag_wrs;  /* flag work requests posted */
+} hep_proxy_peer_stats;
+
+typedef struct hep_proxy hep_proxy;
+
+/* Start the proxy thread of `net` (world = net->world). */
+int hep_proxy_create(hep_net *net, hep_proxy **out);
+/* Hand a batch to the proxy (copied). One batch at a time: a second submit before
+ * hep_proxy_wait returned is HEP_ERR_INVALID. */
+int hep_proxy_submit(hep_proxy *p, const hep_proxy_chunk *chunks, int n, uint64_t epoch);
+/* Wait until every chunk of the batch was posted and completed: 0, or the batch's error
+ * (a refused write: peer, buffer and verbs text; a chunk not ready in time: its name and
+ * peer, HEP_ERR_TIMEOUT). */
+int hep_proxy_wait(hep_proxy *p);
+/* Bytes and work requests posted to `peer` since creation. */
+void hep_proxy_stats(hep_proxy *p, int peer, hep_proxy_peer_stats *out);
+/* Stop and join the thread. NULL is accepted. */
+void hep_proxy_destroy(hep_proxy *p);
+
+/* Receiver side: wait until *flag >= expect (HEP_TIMEOUT_MS), else HEP_ERR_TIMEOUT naming
+ * `peer` and `what`. */
+int hep_proxy_wait_flag(const volatile uint64_t *flag, uint64_t expect, int me, int peer,
+                        const char *what);
+
+#endif

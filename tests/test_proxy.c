@@ -1,0 +1,219 @@
+/* The CPU proxy over the loopback NIC on host memory: chunks go out as they become ready,
+ * each flag after its data, contiguous chunks coalesce, a refused write and a producer
+ * that never publishes become clear errors, and the bytes posted to a peer are exactly
+ * the tokens its node needs. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <infiniband/verbs.h>
+
+#include "core/core.h"
+#include "net/proxy.h"
+
+#define ACC (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE)
+#define CH 256
+
+typedef struct fixture {
+    hep_net *src, *dst;
+    hep_proxy *proxy;
+    unsigned char staging[8 * CH], slots[16 * CH];
+    uint64_t ready[8], flags[8];
+    hep_gpu_mr m_staging, m_ready, m_slots, m_flags;
+} fixture;
+
+static int setup(void **state)
+{
+    fixture *f = calloc(1, sizeof(*f));
+    assert_int_equal(hep_loopback_create(0, 4, &f->src), 0);
+    assert_int_equal(hep_loopback_create(2, 4, &f->dst), 0);
+    for (int i = 0; i < 8 * CH; i++)
+        f->staging[i] = (unsigned char)(i * 13 + 1);
+#define REG(nic, mem, out, name)                                                                 \
+    assert_int_equal(hep_gpu_mr_register(&(nic)->mr_ops, (nic)->pd, 0, (mem), sizeof(mem), ACC,  \
+                                         name, &(out)),                                           \
+                     0)
+    REG(f->src, f->staging, f->m_staging, "dispatch.attn_input_token");
+    REG(f->src, f->ready, f->m_ready, "dispatch.attn_input_flags");
+    REG(f->dst, f->slots, f->m_slots, "dispatch.rdma_inter_node_group_token");
+    REG(f->dst, f->flags, f->m_flags, "dispatch.rdma_inter_node_group_flags");
+#undef REG
+    assert_int_equal(hep_proxy_create(f->src, &f->proxy), 0);
+    *state = f;
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    fixture *f = *state;
+    hep_proxy_destroy(f->proxy);
+    hep_gpu_mr_deregister(&f->m_staging);
+    hep_gpu_mr_deregister(&f->m_ready);
+    hep_gpu_mr_deregister(&f->m_slots);
+    hep_gpu_mr_deregister(&f->m_flags);
+    f->src->v->destroy(f->src);
+    f->dst->v->destroy(f->dst);
+    free(f);
+    return 0;
+}
+
+/* chunk i: staging[src_chunk] -> slots[dst_chunk], flag i */
+static hep_proxy_chunk chunk(fixture *f, int i, int src_chunk, int dst_chunk)
+{
+    hep_proxy_chunk c;
+    memset(&c, 0, sizeof(c));
+    c.ready = &f->ready[i];
+    c.peer = 2;
+    c.lkey = f->m_staging.lkey;
+    c.laddr = f->m_staging.addr + (uint64_t)src_chunk * CH;
+    c.rkey = f->m_slots.rkey;
+    c.raddr = f->m_slots.addr + (uint64_t)dst_chunk * CH;
+    c.len = CH;
+    c.flag_lkey = f->m_ready.lkey;
+    c.flag_laddr = f->m_ready.addr + (uint64_t)i * 8; /* the ready counter is the flag */
+    c.flag_rkey = f->m_flags.rkey;
+    c.flag_raddr = f->m_flags.addr + (uint64_t)i * 8;
+    c.name = "dispatch.attn_input_token";
+    return c;
+}
+
+static void publish(fixture *f, int i, uint64_t e)
+{
+    __atomic_store_n(&f->ready[i], e, __ATOMIC_RELEASE);
+}
+
+static void proxy_posts_chunks_as_they_become_ready_each_flag_after_its_data(void **state)
+{
+    fixture *f = *state;
+    hep_proxy_chunk c[4];
+    hep_proxy_peer_stats st;
+    for (int i = 0; i < 4; i++)
+        c[i] = chunk(f, i, i, 2 * i); /* remote gaps: no coalescing */
+    assert_int_equal(hep_proxy_submit(f->proxy, c, 4, 1), 0);
+    publish(f, 2, 1);
+    assert_int_equal(hep_proxy_wait_flag(&f->flags[2], 1, 2, 0, "chunk 2"), 0);
+    assert_memory_equal(f->slots + 4 * CH, f->staging + 2 * CH, CH); /* data before flag */
+    assert_int_equal(f->flags[0], 0);
+    assert_int_equal(f->slots[0], 0); /* chunk 0 not ready: not sent */
+    publish(f, 0, 1);
+    publish(f, 3, 1);
+    publish(f, 1, 1);
+    assert_int_equal(hep_proxy_wait(f->proxy), 0);
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(f->flags[i], 1);
+        assert_memory_equal(f->slots + 2 * i * CH, f->staging + i * CH, CH);
+    }
+    hep_proxy_stats(f->proxy, 2, &st);
+    assert_int_equal(st.bytes, 4 * CH);
+    assert_int_equal(st.data_wrs, 4);
+    assert_int_equal(st.flag_wrs, 4);
+    /* a second call with epoch 2: the monotonic flags move on */
+    for (int i = 0; i < 4; i++)
+        publish(f, i, 2);
+    assert_int_equal(hep_proxy_submit(f->proxy, c, 4, 2), 0);
+    assert_int_equal(hep_proxy_wait(f->proxy), 0);
+    assert_int_equal(f->flags[3], 2);
+}
+
+static void proxy_coalesces_contiguous_ready_chunks_into_one_write(void **state)
+{
+    fixture *f = *state;
+    hep_proxy_chunk c[5];
+    hep_proxy_peer_stats st;
+    for (int i = 0; i < 5; i++) {
+        c[i] = chunk(f, i, i, i); /* contiguous on both sides */
+        publish(f, i, 7);
+    }
+    assert_int_equal(hep_proxy_submit(f->proxy, c, 5, 7), 0);
+    assert_int_equal(hep_proxy_wait(f->proxy), 0);
+    hep_proxy_stats(f->proxy, 2, &st);
+    assert_int_equal(st.data_wrs, 1);
+    assert_int_equal(st.bytes, 5 * CH);
+    assert_int_equal(st.flag_wrs, 5);
+    assert_memory_equal(f->slots, f->staging, 5 * CH);
+}
+
+static void proxy_refused_write_fails_the_batch_naming_peer_and_buffer(void **state)
+{
+    fixture *f = *state;
+    hep_proxy_chunk c[2] = {chunk(f, 0, 0, 0), chunk(f, 1, 1, 4)};
+    c[1].rkey ^= 0x55; /* a key the peer never registered */
+    publish(f, 0, 1);
+    publish(f, 1, 1);
+    assert_int_equal(hep_proxy_submit(f->proxy, c, 2, 1), 0);
+    assert_int_equal(hep_proxy_wait(f->proxy), HEP_ERR_VERBS);
+    assert_non_null(strstr(hep_last_error(), "'dispatch.attn_input_token' to rank 2"));
+    assert_non_null(strstr(hep_last_error(), "remote key"));
+    c[0].raddr = f->m_slots.addr + sizeof(f->slots) - 8; /* runs past the registration */
+    c[1] = chunk(f, 1, 1, 4);
+    assert_int_equal(hep_proxy_submit(f->proxy, c, 2, 1), 0);
+    assert_int_equal(hep_proxy_wait(f->proxy), HEP_ERR_VERBS);
+    assert_non_null(strstr(hep_last_error(), "outside its registration"));
+}
+
+static void proxy_times_out_naming_the_chunk_whose_producer_never_published(void **state)
+{
+    fixture *f = *state;
+    hep_proxy_chunk c[2] = {chunk(f, 0, 0, 0), chunk(f, 1, 1, 2)};
+    setenv("HEP_TIMEOUT_MS", "200", 1);
+    hep_env_reload();
+    publish(f, 0, 1); /* chunk 1 never */
+    assert_int_equal(hep_proxy_submit(f->proxy, c, 2, 1), 0);
+    assert_int_equal(hep_proxy_wait(f->proxy), HEP_ERR_TIMEOUT);
+    assert_non_null(strstr(hep_last_error(), "chunk 1 of 'dispatch.attn_input_token' for rank 2"));
+    /* and the receiver, waiting for the missing flag, names the sender */
+    assert_int_equal(hep_proxy_wait_flag(&f->flags[1], 1, 2, 0, "dispatch chunk 1"),
+                     HEP_ERR_TIMEOUT);
+    assert_non_null(strstr(hep_last_error(), "rank 0 did not arrive"));
+    unsetenv("HEP_TIMEOUT_MS");
+    hep_env_reload();
+}
+
+/* Two nodes of two ranks: rank 0's 8 tokens, each needing node 0 (local), node 1, or
+ * both. The batch sends each token that node 1 needs once, packed, to the peer (rank 2). */
+static void proxy_sends_exactly_the_tokens_the_peer_node_needs_once_each(void **state)
+{
+    fixture *f = *state;
+    const int needs_node1[8] = {1, 0, 1, 1, 0, 0, 1, 1};
+    hep_proxy_chunk c[8];
+    hep_proxy_peer_stats before, after;
+    int n = 0;
+    hep_proxy_stats(f->proxy, 2, &before);
+    for (int i = 0; i < 8; i++)
+        if (needs_node1[i]) {
+            c[n] = chunk(f, n, i, n); /* token i -> slot n of node 0 at the peer */
+            publish(f, n, 3);
+            n++;
+        }
+    assert_int_equal(hep_proxy_submit(f->proxy, c, n, 3), 0);
+    assert_int_equal(hep_proxy_wait(f->proxy), 0);
+    hep_proxy_stats(f->proxy, 2, &after);
+    assert_int_equal(after.bytes - before.bytes, 5 * CH); /* tokens 0, 2, 3, 6, 7 */
+    assert_int_equal(after.data_wrs - before.data_wrs, 3); /* runs {0}, {2, 3}, {6, 7} */
+    for (int k = 0, i = 0; i < 8; i++)
+        if (needs_node1[i]) {
+            assert_memory_equal(f->slots + k * CH, f->staging + i * CH, CH);
+            k++;
+        }
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(
+            proxy_posts_chunks_as_they_become_ready_each_flag_after_its_data, setup, teardown),
+        cmocka_unit_test_setup_teardown(proxy_coalesces_contiguous_ready_chunks_into_one_write,
+                                        setup, teardown),
+        cmocka_unit_test_setup_teardown(proxy_refused_write_fails_the_batch_naming_peer_and_buffer,
+                                        setup, teardown),
+        cmocka_unit_test_setup_teardown(
+            proxy_times_out_naming_the_chunk_whose_producer_never_published, setup, teardown),
+        cmocka_unit_test_setup_teardown(
+            proxy_sends_exactly_the_tokens_the_peer_node_needs_once_each, setup, teardown),
+    };
+    return cmocka_run_group_tests_name("proxy", tests, NULL, NULL);
+}
