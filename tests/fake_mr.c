@@ -1,4 +1,5 @@
 #include <errno.h>
+#include <fcntl.h>
 #include <string.h>
 
 #include "fake_mr.h"
@@ -118,4 +119,36 @@ void fake_mr_init(fake_mr *f)
     f->ops.export_dmabuf = f_export;
     f->ops.page_size = f_page_size;
     f->ops.close_fd = f_close;
+}
+
+struct ibv_mr *force_no_legacy(void *ctx, struct ibv_pd *pd, void *a, size_t l, int acc)
+{
+    (void)ctx, (void)pd, (void)a, (void)l, (void)acc;
+    errno = EFAULT;
+    return NULL;
+}
+
+int force_dmabuf_supported(void *ctx, int dev)
+{
+    (void)ctx, (void)dev;
+    return 1;
+}
+
+int force_export_devnull(void *ctx, uint64_t a, size_t l, int *fd, const char **n, const char **d)
+{
+    (void)ctx, (void)a, (void)l, (void)n, (void)d;
+    *fd = open("/dev/null", O_RDONLY);
+    return *fd >= 0 ? 0 : 1;
+}
+
+hep_config test_config(int H, int T, int El, int K, hep_dtype dt)
+{
+    hep_config c;
+    hep_config_default(&c);
+    c.hidden = H;
+    c.max_tokens = T;
+    c.experts_per_rank = El;
+    c.max_topk = K;
+    c.dtype = dt;
+    return c;
 }

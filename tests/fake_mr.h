@@ -33,4 +33,15 @@ typedef struct fake_mr {
 
 void fake_mr_init(fake_mr *f);
 
+/* Calls that force the DMA-BUF path on host memory: ibv_reg_mr fails with EFAULT, the
+ * device "supports" DMA-BUF, and the export hands out a real fd (of /dev/null) so that fd
+ * counting proves it is closed. Compose them over a NIC's own table. */
+struct ibv_mr *force_no_legacy(void *ctx, struct ibv_pd *pd, void *a, size_t l, int acc);
+int force_dmabuf_supported(void *ctx, int dev);
+int force_export_devnull(void *ctx, uint64_t a, size_t l, int *fd, const char **n, const char **d);
+
+/* A configuration with the given sizes and the defaults for the rest. */
+#include "hybridep/hybridep.h"
+hep_config test_config(int H, int T, int El, int K, hep_dtype dt);
+
 #endif

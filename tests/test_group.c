@@ -14,6 +14,7 @@
 #include <infiniband/verbs.h>
 
 #include "core/core.h"
+#include "fake_mr.h"
 #include "group/group.h"
 #include "net/net.h"
 #include "ranks.h"
@@ -22,30 +23,18 @@ static _Thread_local int tl_rank = -1;
 static _Thread_local int tl_exports;
 static int fail_rank = -1, fail_export = -1;
 
-static struct ibv_mr *no_legacy(void *ctx, struct ibv_pd *pd, void *a, size_t l, int acc)
-{
-    (void)ctx, (void)pd, (void)a, (void)l, (void)acc;
-    errno = EFAULT;
-    return NULL;
-}
-static int yes(void *ctx, int dev)
-{
-    (void)ctx, (void)dev;
-    return 1;
-}
+/* The shared DMA-BUF export, failing on one rank's fail_export-th call. */
 static int fake_export(void *ctx, uint64_t a, size_t l, int *fd, const char **n, const char **d)
 {
-    (void)ctx, (void)a, (void)l;
     if (tl_rank == fail_rank && ++tl_exports == fail_export) {
         *n = "CUDA_ERROR_INVALID_VALUE";
         *d = "invalid argument";
         return 1;
     }
-    *fd = open("/dev/null", O_RDONLY);
-    return *fd >= 0 ? 0 : 2;
+    return force_export_devnull(ctx, a, l, fd, n, d);
 }
-static const hep_gpu_mr_ops force_dmabuf = {NULL, no_legacy, NULL, NULL, yes, fake_export, NULL,
-                                            NULL};
+static const hep_gpu_mr_ops force_dmabuf = {NULL, force_no_legacy, NULL, NULL,
+                                            force_dmabuf_supported, fake_export, NULL, NULL};
 
 typedef struct group_case {
     hep_config cfg;
@@ -82,12 +71,7 @@ static int create_destroy(rank_ctx *r)
 
 static hep_config small_config(void)
 {
-    hep_config c;
-    hep_config_default(&c);
-    c.hidden = 256;
-    c.max_tokens = 16;
-    c.experts_per_rank = 2;
-    c.max_topk = 2;
+    hep_config c = test_config(256, 16, 2, 2, HEP_DTYPE_BF16);
     c.backend = HEP_BACKEND_HOST;
     return c;
 }

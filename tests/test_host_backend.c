@@ -11,16 +11,11 @@
 
 #include "core/core.h"
 #include "ep_case.h"
+#include "fake_mr.h"
 
 static hep_config cfg(int H, int T, int El, int K, hep_dtype dt)
 {
-    hep_config c;
-    hep_config_default(&c);
-    c.hidden = H;
-    c.max_tokens = T;
-    c.experts_per_rank = El;
-    c.max_topk = K;
-    c.dtype = dt;
+    hep_config c = test_config(H, T, El, K, dt);
     c.backend = HEP_BACKEND_HOST;
     return c;
 }

@@ -13,29 +13,11 @@
 #include <infiniband/verbs.h>
 
 #include "core/core.h"
+#include "fake_mr.h"
 #include "net/net.h"
 #include "ranks.h"
 
 #define ACC (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE)
-
-/* Force the DMA-BUF path on host memory: legacy fails, the export hands out a real fd. */
-static struct ibv_mr *no_legacy(void *ctx, struct ibv_pd *pd, void *a, size_t l, int acc)
-{
-    (void)ctx, (void)pd, (void)a, (void)l, (void)acc;
-    errno = EFAULT;
-    return NULL;
-}
-static int yes(void *ctx, int dev)
-{
-    (void)ctx, (void)dev;
-    return 1;
-}
-static int fake_export(void *ctx, uint64_t a, size_t l, int *fd, const char **n, const char **d)
-{
-    (void)ctx, (void)a, (void)l, (void)n, (void)d;
-    *fd = open("/dev/null", O_RDONLY);
-    return *fd >= 0 ? 0 : 1;
-}
 
 typedef struct two_nics {
     hep_net *a, *b;
@@ -119,9 +101,9 @@ static void loopback_dmabuf_write_by_original_address_lands_at_the_right_byte(vo
     hep_gpu_mr_ops forced = t->b->mr_ops;
     hep_loopback_stats st;
     int fds_before = 0, fds_after = 0;
-    forced.reg_mr = no_legacy;
-    forced.dmabuf_supported = yes;
-    forced.export_dmabuf = fake_export;
+    forced.reg_mr = force_no_legacy;
+    forced.dmabuf_supported = force_dmabuf_supported;
+    forced.export_dmabuf = force_export_devnull;
     memset(region, 0, sizeof(region));
     for (int i = 0; i < 64; i++)
         src[i] = (char)(100 + i);

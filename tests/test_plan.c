@@ -8,19 +8,10 @@
 #include <cmocka.h>
 
 #include "core/core.h"
+#include "fake_mr.h"
 #include "layout/plan.h"
 
-static hep_config base(int H, int T, int El, int K, hep_dtype dt)
-{
-    hep_config c;
-    hep_config_default(&c);
-    c.hidden = H;
-    c.max_tokens = T;
-    c.experts_per_rank = El;
-    c.max_topk = K;
-    c.dtype = dt;
-    return c;
-}
+#define base test_config
 
 static void plan_single_node_bf16_sizes(void **state)
 {
