@@ -6,6 +6,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 #include <cmocka.h>
@@ -74,6 +75,38 @@ static void cuda_table_reports_missing_driver_cleanly(void **state)
                      HEP_ERR_UNAVAILABLE);
 }
 
+static char warned[1024];
+static void keep(void *ctx, int level, const char *line)
+{
+    (void)ctx;
+    if (level == HEP_LOG_WARN)
+        snprintf(warned, sizeof(warned), "%s", line);
+}
+
+static void env_bad_values_are_reported_and_defaults_kept(void **state)
+{
+    const hep_env *e;
+    (void)state;
+    setenv("HEP_TIMEOUT_MS", "abc", 1);
+    setenv("HEP_GPU_MR_MODE", "sometimes", 1);
+    hep_log_set_sink(keep, NULL);
+    e = hep_env_reload();
+    hep_log_set_sink(NULL, NULL);
+    assert_int_equal(e->timeout_ms, 30000);
+    assert_int_equal(e->mr_mode, HEP_MR_MODE_AUTO);
+    assert_non_null(strstr(warned, "HEP_TIMEOUT_MS='abc'"));
+    assert_non_null(strstr(warned, "HEP_GPU_MR_MODE='sometimes'"));
+    setenv("HEP_TIMEOUT_MS", "1500", 1);
+    setenv("HEP_GPU_MR_MODE", "DMABUF", 1);
+    e = hep_env_reload();
+    assert_int_equal(e->timeout_ms, 1500);
+    assert_int_equal(e->mr_mode, HEP_MR_MODE_DMABUF);
+    assert_string_equal(e->errors, "");
+    unsetenv("HEP_TIMEOUT_MS");
+    unsetenv("HEP_GPU_MR_MODE");
+    hep_env_reload();
+}
+
 int main(void)
 {
     /* two ctest entries: one with the real library path, one with HEP_IBVERBS_LIB pointing
@@ -81,6 +114,7 @@ int main(void)
     const struct CMUnitTest present[] = {
         cmocka_unit_test(ibv_table_binds_versioned_symbols_when_library_present),
         cmocka_unit_test(cuda_table_reports_missing_driver_cleanly),
+        cmocka_unit_test(env_bad_values_are_reported_and_defaults_kept),
     };
     const struct CMUnitTest missing[] = {
         cmocka_unit_test(ibv_table_missing_library_is_an_error_not_a_crash),

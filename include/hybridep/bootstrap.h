@@ -32,8 +32,9 @@ typedef struct hep_bootstrap {
 typedef struct hep_inproc_world hep_inproc_world;
 
 /* A world of `size` ranks in this process. Its collectives wait at most HEP_TIMEOUT_MS
- * for every rank and then fail with HEP_ERR_TIMEOUT naming the ranks that did not come.
- * Returns 0 or HEP_ERR_INVALID / HEP_ERR_NOMEM. */
+ * for every rank and then fail with HEP_ERR_TIMEOUT naming the ranks that did not come;
+ * after a failed collective every later one fails with the same message (create a new
+ * world). Returns 0 or HEP_ERR_INVALID / HEP_ERR_NOMEM. */
 int hep_inproc_world_create(int size, hep_inproc_world **world);
 /* Fill *bs for `rank` of the world (call from that rank's thread or before starting it). */
 int hep_inproc_bootstrap(hep_inproc_world *world, int rank, hep_bootstrap *bs);

@@ -70,14 +70,26 @@ static void env_read(hep_env *e)
         e->gid_index = (int)parse_u64(e, "HEP_IB_GID_INDEX", 0, 0);
 }
 
+/* A value that could not be parsed is reported once, as a warning; its default is used.
+ * (Logged after the lock is released: hep_log reads the knobs itself.) */
+static void warn_once(int fresh)
+{
+    if (fresh && env_value.errors[0])
+        hep_log(HEP_LOG_WARN, "ignoring environment: %s; the defaults are used",
+                env_value.errors);
+}
+
 const hep_env *hep_env_get(void)
 {
+    int fresh = 0;
     pthread_mutex_lock(&env_lock);
     if (!env_loaded) {
         env_read(&env_value);
         env_loaded = 1;
+        fresh = 1;
     }
     pthread_mutex_unlock(&env_lock);
+    warn_once(fresh);
     return &env_value;
 }
 
@@ -87,5 +99,6 @@ const hep_env *hep_env_reload(void)
     env_read(&env_value);
     env_loaded = 1;
     pthread_mutex_unlock(&env_lock);
+    warn_once(1);
     return &env_value;
 }
