@@ -17,7 +17,7 @@ check() { # name, then a command that must succeed
     fi
 }
 plan_ep64() { "$H" plan --nodes 8 --ranks-per-node 8 --hidden 7168 --tokens 4096 \
-    --experts-per-rank 4 --topk 8 --dtype bf16 | grep -q "total device memory per rank: 4652138496 bytes"; }
+    --experts-per-rank 4 --topk 8 --dtype bf16 | grep -q "total device memory per rank: 4653711360 bytes"; }
 plan_json() { "$H" plan --nodes 2 --ranks-per-node 4 --dtype fp8 --json |
     python3 -c 'import json,sys; d=json.load(sys.stdin); n=[b for b in d["buffers"] if b["rdma_registered"]]; sys.exit(0 if len(n)==14 else 1)'; }
 plan_rejects_fp8_hidden() { "$H" plan --dtype fp8 --hidden 7000 >/tmp/hep_rej_$$ 2>&1; rc=$?; grep -q "multiple of 128" /tmp/hep_rej_$$ && test $rc -eq 1; }

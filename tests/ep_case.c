@@ -245,10 +245,28 @@ int ep_case_check(const ep_case *c)
                 for (int d = 0; d < c->world; d++)
                     rows[d] = routed_to(c, s, i, d) ? next[d]++ : -1;
                 for (int h = 0; h < H; h++) {
+                    /* one node: every destination in f32, ascending; several nodes: the own
+                     * node's share in f32, then each other node's partial sum (its
+                     * destinations in f32, ascending) rounded to BF16, in node order */
+                    int R = c->cfg.ranks_per_node > 0 ? c->cfg.ranks_per_node : c->world;
+                    int own = s / R;
                     float acc = 0;
-                    for (int d = 0; d < c->world; d++)
+                    for (int d = own * R; d < own * R + R; d++)
                         if (rows[d] >= 0)
                             acc += f32_of_bf16(c->out[d].expert_out[(size_t)rows[d] * H + h]);
+                    for (int m = 0; m < c->world / R; m++) {
+                        float part = 0;
+                        int any = 0;
+                        if (m == own)
+                            continue;
+                        for (int d = m * R; d < m * R + R; d++)
+                            if (rows[d] >= 0) {
+                                part += f32_of_bf16(c->out[d].expert_out[(size_t)rows[d] * H + h]);
+                                any = 1;
+                            }
+                        if (any)
+                            acc += f32_of_bf16(bf16_of(part));
+                    }
                     if (c->out[s].combined[(size_t)i * H + h] != bf16_of(acc)) {
                         MISMATCH("rank %d token %d channel %d: combined %g, expected %g\n", s, i,
                                  h, f32_of_bf16(c->out[s].combined[(size_t)i * H + h]), acc);

@@ -211,6 +211,72 @@ static void host_repeated_calls_stay_correct(void **state)
     ep_case_free(&c);
 }
 
+static void run_nodes(int nodes, int R, hep_dtype dt, int index64, int zero_copy, int force_t,
+                      int repeat, unsigned seed)
+{
+    static ep_case c;
+    memset(&c, 0, sizeof(c));
+    c.cfg = cfg(256, 20, 2, 4, dt);
+    c.cfg.ranks_per_node = R;
+    c.world = nodes * R;
+    c.K = 4;
+    c.index64 = index64;
+    c.zero_copy = zero_copy;
+    c.skip_rank = -1;
+    c.repeat = repeat;
+    c.has_t_fixed = force_t >= 0;
+    c.t_fixed = force_t;
+    ep_case_random(&c, seed, 0);
+    assert_int_equal(ep_case_run(&c), 0);
+    assert_ok(&c);
+    assert_int_equal(ep_case_check(&c), 0);
+    ep_case_free(&c);
+}
+
+static void host_two_nodes_of_two_ranks_match_the_oracle(void **state)
+{
+    (void)state;
+    for (unsigned s = 40; s < 44; s++)
+        run_nodes(2, 2, HEP_DTYPE_BF16, 0, 0, -1, 1, s);
+}
+
+static void host_four_nodes_of_one_rank_fp8_int64(void **state)
+{
+    (void)state;
+    run_nodes(4, 1, HEP_DTYPE_FP8_E4M3, 1, 1, -1, 1, 50);
+}
+
+static void host_two_nodes_of_four_at_zero_and_full_capacity_repeated(void **state)
+{
+    (void)state;
+    run_nodes(2, 4, HEP_DTYPE_BF16, 0, 1, 0, 2, 60);
+    run_nodes(2, 4, HEP_DTYPE_FP8_E4M3, 0, 0, 20, 3, 61);
+}
+
+static void host_internode_dispatch_times_out_naming_the_silent_rank(void **state)
+{
+    static ep_case c;
+    (void)state;
+    setenv("HEP_TIMEOUT_MS", "300", 1);
+    hep_env_reload();
+    memset(&c, 0, sizeof(c));
+    c.cfg = cfg(64, 8, 2, 2, HEP_DTYPE_BF16);
+    c.cfg.ranks_per_node = 2;
+    c.world = 4;
+    c.K = 2;
+    c.skip_rank = 3; /* node 1 */
+    ep_case_random(&c, 9, 0);
+    assert_int_equal(ep_case_run(&c), 0);
+    unsetenv("HEP_TIMEOUT_MS");
+    hep_env_reload();
+    for (int r = 0; r < 3; r++) {
+        assert_int_equal(c.out[r].rc_dispatch, HEP_ERR_TIMEOUT);
+        if (!strstr(c.out[r].err, "rank 3 did not arrive"))
+            fail_msg("rank %d: %s", r, c.out[r].err);
+    }
+    ep_case_free(&c);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -223,6 +289,10 @@ int main(void)
         cmocka_unit_test(host_invalid_expert_id_is_reported_and_ignored),
         cmocka_unit_test(host_dispatch_times_out_naming_the_rank_that_never_called),
         cmocka_unit_test(host_repeated_calls_stay_correct),
+        cmocka_unit_test(host_two_nodes_of_two_ranks_match_the_oracle),
+        cmocka_unit_test(host_four_nodes_of_one_rank_fp8_int64),
+        cmocka_unit_test(host_two_nodes_of_four_at_zero_and_full_capacity_repeated),
+        cmocka_unit_test(host_internode_dispatch_times_out_naming_the_silent_rank),
     };
     return cmocka_run_group_tests_name("host_backend", tests, NULL, NULL);
 }

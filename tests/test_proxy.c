@@ -78,6 +78,7 @@ static hep_proxy_chunk chunk(fixture *f, int i, int src_chunk, int dst_chunk)
     c.flag_rkey = f->m_flags.rkey;
     c.flag_raddr = f->m_flags.addr + (uint64_t)i * 8;
     c.name = "dispatch.attn_input_token";
+    c.flag = 1;
     return c;
 }
 

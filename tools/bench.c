@@ -568,9 +568,9 @@ static int parse(int argc, char **argv, bench_opts *o)
         o->host = cudaGetDeviceCount(&n) != cudaSuccess || n == 0;
         (void)cudaGetLastError();
     }
-    if (o->nodes != 1) {
-        fprintf(stderr, "hybridep bench: --nodes %d: dispatch across nodes is not available in "
-                        "this version\n",
+    if (o->nodes < 1 || (o->nodes != 1 && !o->host)) {
+        fprintf(stderr, "hybridep bench: --nodes %d: GPU dispatch across nodes is not available "
+                        "in this version (--backend host runs it through the loopback NIC)\n",
                 o->nodes);
         return 2;
     }
@@ -643,10 +643,11 @@ static void report(const bench *b, const phase_row *ph, int n, const char *gpu_n
             return;
     }
     if (o->host) {
-        printf("\nhybridep bench: HOST backend (no GPU): %d virtual ranks as threads, H=%d T=%d "
-               "E=%d (%d per rank) K=%d %s, %s routing, one dispatch + combine (CPU memcpy and "
-               "adds: the reference implementation, not comparable to GPU figures)\n",
-               b->W, o->H, o->T, o->El * b->W, o->El, o->K, b->esize == 1 ? "fp8" : "bf16",
+        printf("\nhybridep bench: HOST backend (no GPU): %d virtual ranks as threads (%d node(s) "
+               "x %d%s), H=%d T=%d E=%d (%d per rank) K=%d %s, %s routing, one dispatch + "
+               "combine (CPU memcpy and adds: the reference implementation, not comparable to "
+               "GPU figures)\n",
+               b->W, o->nodes, o->R, o->nodes > 1 ? ", loopback NIC" : "", o->H, o->T, o->El * b->W, o->El, o->K, b->esize == 1 ? "fp8" : "bf16",
                o->skew ? "skewed" : "uniform");
         printf("host memcpy ceiling: %.0f GB/s (bytes read + written)\n", b->ceiling_gbs);
         printf("received rows: %.0f; fewest bytes of both phases: %.0f; wall time: %.1f ms "

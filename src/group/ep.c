@@ -9,6 +9,7 @@
 #include "core/core.h"
 #include "group/group.h"
 #include "kernels/ep_kernels.h"
+#include "net/proxy.h"
 
 static const char *stage_name(int s)
 {
@@ -21,11 +22,16 @@ static const char *stage_name(int s)
 int hep_ep_setup(hep_group *g)
 {
     hep_kargs *k;
-    if (g->cfg.backend != HEP_BACKEND_GPU)
-        return g->R > 64 ? hep_fail(HEP_ERR_INVALID,
-                                    "the host backend supports up to 64 ranks per node, not %d",
-                                    g->R)
-                         : HEP_OK;
+    if (g->cfg.backend != HEP_BACKEND_GPU) {
+        if (g->R > 64)
+            return hep_fail(HEP_ERR_INVALID,
+                            "the host backend supports up to 64 ranks per node, not %d", g->R);
+        ((uint64_t *)hep_my_buf(g, HEP_BUF_MAILBOX))[HEP_MB_LOCAL] =
+            (uint64_t)(uintptr_t)g->arena[HEP_ARENA_LOCAL];
+        if (g->N > 1)
+            return hep_proxy_create(g->coord->net, &g->proxy);
+        return HEP_OK;
+    }
     if (g->R > HEP_GPU_MAX_LOCAL)
         return hep_fail(HEP_ERR_INVALID, "the GPU kernels support up to %d ranks per node, not %d",
                         HEP_GPU_MAX_LOCAL, g->R);
@@ -75,6 +81,8 @@ int hep_ep_setup(hep_group *g)
 
 void hep_ep_teardown(hep_group *g)
 {
+    hep_proxy_destroy(g->proxy); /* before the coordinator closes its NIC */
+    g->proxy = NULL;
     free(g->kargs);
     g->kargs = NULL;
 }
@@ -195,13 +203,13 @@ int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *
     int rc = check_dispatch(g, a, o);
     if (rc)
         return rc;
+    if (g->cfg.backend == HEP_BACKEND_HOST)
+        return g->N > 1 ? hep_host_dispatch_internode(g, a, o) : hep_host_dispatch(g, a, o);
     if (g->N > 1)
         return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "dispatch across %d nodes is not available in this version (one node: "
-                        "ranks_per_node = world)",
+                        "GPU dispatch across %d nodes is not available in this version (the "
+                        "host backend has it; one node: ranks_per_node = world)",
                         g->N);
-    if (g->cfg.backend == HEP_BACKEND_HOST)
-        return hep_host_dispatch(g, a, o);
     k = g->kargs;
     k->t = a->num_tokens;
     k->K = a->topk;
@@ -242,7 +250,7 @@ int hep_combine(hep_group *g, const hep_combine_args *a)
                           (rc = check_ptr(a->expert_out, 16, "hep_combine: expert_out"))))
         return rc;
     if (g->cfg.backend == HEP_BACKEND_HOST)
-        rc = hep_host_combine(g, a);
+        rc = g->N > 1 ? hep_host_combine_internode(g, a) : hep_host_combine(g, a);
     else {
         k = g->kargs;
         k->combine_out = a->out;

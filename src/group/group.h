@@ -10,6 +10,11 @@
 
 #define HEP_MAX_LOCAL 72
 
+/* The host backend's mailbox (sync.mailbox, u64 words): what a rank publishes to its
+ * node-mates, who read it in the same address space. */
+enum { HEP_MB_TOKENS, HEP_MB_SCALES, HEP_MB_IDX, HEP_MB_WEIGHTS, HEP_MB_T, HEP_MB_K,
+       HEP_MB_INDEX64, HEP_MB_COMBINE_IN, HEP_MB_LOCAL };
+
 /* Test hooks of group creation (internal; not part of the public ABI). */
 typedef struct hep_group_hooks {
     const hep_gpu_mr_ops *mr_override; /* non-NULL members replace the NIC's registration calls */
@@ -27,6 +32,7 @@ struct hep_group {
     char *peer_shared[HEP_MAX_LOCAL]; /* each node-mate's shared arena, by local rank */
     unsigned char ipc_opened[HEP_MAX_LOCAL];
     hep_coord *coord;
+    struct hep_proxy *proxy;        /* N > 1, host backend: the CPU proxy driving the NIC */
     uint64_t epoch;                 /* dispatch calls made (flags are multiples of it) */
     uint64_t combine_epoch;
     int dmabuf_banner;              /* printed the banner */
@@ -47,6 +53,9 @@ void hep_ep_teardown(hep_group *g);
 /* ref/host_backend.c: the host backend's halves of dispatch and combine */
 int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *out);
 int hep_host_combine(hep_group *g, const hep_combine_args *a);
+/* ref/host_internode.c: the same across nodes, through the coordinator's NIC and the proxy */
+int hep_host_dispatch_internode(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *o);
+int hep_host_combine_internode(hep_group *g, const hep_combine_args *a);
 
 int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda_device,
                         const hep_group_hooks *hooks, hep_group **out);

@@ -139,24 +139,28 @@ static void plan_internode(plan_ctx *x, const hep_config *c, size_t esize, size_
     size_t Enode = (size_t)c->experts_per_rank * (size_t)p->ranks_per_node;
     size_t chunks = (T + (size_t)c->chunk_tokens - 1) / (size_t)c->chunk_tokens;
     size_t slots = (N - 1) * T; /* rows received from the other nodes, one slot per node */
+    size_t route = 2 * (size_t)c->max_topk; /* a token's top-k ids (i32) then weights (f32) */
+    size_t fw = 2 * N + N * chunks;         /* (count, flag) per node, then per-chunk flags */
     const char *tok = c->dtype == HEP_DTYPE_FP8_E4M3 ? "fp8" : "bf16";
     int fp8 = c->dtype == HEP_DTYPE_FP8_E4M3;
 
     add(x, HEP_BUF_D_ATTN_TOKEN, "dispatch.attn_input_token", "dispatch", tok, esize, T * H,
         HEP_ARENA_LOCAL, 1);
-    add(x, HEP_BUF_D_ATTN_FLAGS, "dispatch.attn_input_flags", "dispatch", "u64", 8, N * chunks,
+    add(x, HEP_BUF_D_ATTN_FLAGS, "dispatch.attn_input_flags", "dispatch", "u64", 8, fw,
         HEP_ARENA_LOCAL, 1);
-    add(x, HEP_BUF_D_ATTN_PROB, "dispatch.attn_input_prob", "dispatch", "f32", 4, T * Enode,
-        HEP_ARENA_LOCAL, 1);
+    /* the routing travels instead of the node's E_node probabilities: 2K words per token
+     * are fewer bytes, and the peer derives every local rank's probabilities from them */
+    add(x, HEP_BUF_D_ATTN_PROB, "dispatch.attn_input_prob", "dispatch", "i32+f32", 4,
+        T * route, HEP_ARENA_LOCAL, 1);
     if (fp8)
         add(x, HEP_BUF_D_ATTN_SCALE, "dispatch.attn_input_scaling_factor", "dispatch", "f32", 4,
             T * nscale, HEP_ARENA_LOCAL, 1);
     add(x, HEP_BUF_D_GROUP_TOKEN, "dispatch.rdma_inter_node_group_token", "dispatch", tok, esize,
         mul3(x, slots, H, 1), HEP_ARENA_LOCAL, 1);
     add(x, HEP_BUF_D_GROUP_FLAGS, "dispatch.rdma_inter_node_group_flags", "dispatch", "u64", 8,
-        N * chunks, HEP_ARENA_LOCAL, 1);
-    add(x, HEP_BUF_D_GROUP_PROB, "dispatch.rdma_inter_node_group_prob", "dispatch", "f32", 4,
-        mul3(x, slots, Enode, 1), HEP_ARENA_LOCAL, 1);
+        fw, HEP_ARENA_LOCAL, 1);
+    add(x, HEP_BUF_D_GROUP_PROB, "dispatch.rdma_inter_node_group_prob", "dispatch", "i32+f32",
+        4, mul3(x, slots, route, 1), HEP_ARENA_LOCAL, 1);
     if (fp8)
         add(x, HEP_BUF_D_GROUP_SCALE, "dispatch.rdma_inter_node_group_scaling_factor", "dispatch",
             "f32", 4, mul3(x, slots, nscale, 1), HEP_ARENA_LOCAL, 1);
@@ -169,19 +173,15 @@ static void plan_internode(plan_ctx *x, const hep_config *c, size_t esize, size_
     add(x, HEP_BUF_C_GROUP_TOKEN, "combine.rdma_inter_node_group_token", "combine", "bf16", 2,
         mul3(x, slots, H, 1), HEP_ARENA_LOCAL, 1);
     add(x, HEP_BUF_C_GROUP_FLAGS, "combine.rdma_inter_node_group_flags", "combine", "u64", 8,
-        N * chunks, HEP_ARENA_LOCAL, 1);
+        fw, HEP_ARENA_LOCAL, 1);
     add(x, HEP_BUF_C_GROUP_PROB, "combine.rdma_inter_node_group_prob", "combine", "f32", 4,
         mul3(x, slots, Enode, 1), HEP_ARENA_LOCAL, 1);
-    add(x, HEP_BUF_C_OUT_FLAGS, "combine.attn_output_flags", "combine", "u64", 8, N * chunks,
+    add(x, HEP_BUF_C_OUT_FLAGS, "combine.attn_output_flags", "combine", "u64", 8, fw,
         HEP_ARENA_LOCAL, 1);
-    if (esize == 2) {
+    if (esize == 2)
         p->buf[HEP_BUF_C_RED_TOKEN].alias_of = HEP_BUF_D_GROUP_TOKEN;
-        p->buf[HEP_BUF_C_RED_PROB].alias_of = HEP_BUF_D_GROUP_PROB;
-    } else {
-        /* FP8 dispatch slots are half the size of BF16 partial sums: the reverse alias */
+    else /* FP8 dispatch slots are half the size of BF16 partial sums: the reverse alias */
         p->buf[HEP_BUF_D_GROUP_TOKEN].alias_of = HEP_BUF_C_RED_TOKEN;
-        p->buf[HEP_BUF_D_GROUP_PROB].alias_of = HEP_BUF_C_RED_PROB;
-    }
 }
 
 int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *p)

@@ -72,6 +72,8 @@ static void post_run(hep_proxy *p, int i)
     }
     for (int k = i; rc == HEP_OK && k <= last; k++) { /* flags after the data, same QP */
         hep_proxy_chunk *f = &p->chunks[k];
+        if (!f->flag)
+            continue;
         rc = net->v->write(net, f->peer, f->flag_lkey, f->flag_laddr, f->flag_rkey,
                            f->flag_raddr, sizeof(uint64_t), (uint64_t)k);
         if (rc == HEP_OK) {

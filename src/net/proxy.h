@@ -23,6 +23,7 @@ typedef struct hep_proxy_chunk {
     uint32_t lkey, rkey;            /* data: local registration, remote key */
     uint64_t laddr, raddr;          /* original addresses */
     size_t len;                     /* 0: a flag only */
+    int flag;                       /* 1: the flag write follows the data; 0: data only */
     uint32_t flag_lkey, flag_rkey;  /* the flag: a registered local u64 that holds >= epoch
                                        once the chunk is ready (the ready counter itself,
                                        when it is registered), and where it goes */

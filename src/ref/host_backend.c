@@ -13,7 +13,6 @@
 #include "group/group.h"
 #include "kernels/ep_kernels.h"
 
-enum { MB_TOKENS, MB_SCALES, MB_IDX, MB_WEIGHTS, MB_T, MB_K, MB_INDEX64, MB_COMBINE_IN };
 #define HOST_DONE_DISPATCH HEP_FLAG_HOST_DONE
 #define HOST_DONE_COMBINE (HEP_FLAG_HOST_DONE + 1)
 
@@ -70,13 +69,13 @@ static int wait_all(hep_group *g, int word, uint64_t e, const char *call, const 
 static void view_of(hep_group *g, int l, src_view *v)
 {
     const volatile uint64_t *m = mailbox_of(g, l);
-    v->tokens = (const unsigned char *)(uintptr_t)m[MB_TOKENS];
-    v->scales = (const float *)(uintptr_t)m[MB_SCALES];
-    v->idx = (const void *)(uintptr_t)m[MB_IDX];
-    v->weights = (const float *)(uintptr_t)m[MB_WEIGHTS];
-    v->t = (int)m[MB_T];
-    v->K = (int)m[MB_K];
-    v->index64 = (int)m[MB_INDEX64];
+    v->tokens = (const unsigned char *)(uintptr_t)m[HEP_MB_TOKENS];
+    v->scales = (const float *)(uintptr_t)m[HEP_MB_SCALES];
+    v->idx = (const void *)(uintptr_t)m[HEP_MB_IDX];
+    v->weights = (const float *)(uintptr_t)m[HEP_MB_WEIGHTS];
+    v->t = (int)m[HEP_MB_T];
+    v->K = (int)m[HEP_MB_K];
+    v->index64 = (int)m[HEP_MB_INDEX64];
 }
 
 static long long id_at(const src_view *v, int i, int k)
@@ -149,13 +148,13 @@ int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_res
     long long val = 0;
     src_view mine;
 
-    mb[MB_TOKENS] = (uint64_t)(uintptr_t)a->tokens;
-    mb[MB_SCALES] = (uint64_t)(uintptr_t)a->scales;
-    mb[MB_IDX] = (uint64_t)(uintptr_t)a->topk_idx;
-    mb[MB_WEIGHTS] = (uint64_t)(uintptr_t)a->topk_weights;
-    mb[MB_T] = (uint64_t)a->num_tokens;
-    mb[MB_K] = (uint64_t)a->topk;
-    mb[MB_INDEX64] = a->index_type == HEP_INDEX_INT64;
+    mb[HEP_MB_TOKENS] = (uint64_t)(uintptr_t)a->tokens;
+    mb[HEP_MB_SCALES] = (uint64_t)(uintptr_t)a->scales;
+    mb[HEP_MB_IDX] = (uint64_t)(uintptr_t)a->topk_idx;
+    mb[HEP_MB_WEIGHTS] = (uint64_t)(uintptr_t)a->topk_weights;
+    mb[HEP_MB_T] = (uint64_t)a->num_tokens;
+    mb[HEP_MB_K] = (uint64_t)a->topk;
+    mb[HEP_MB_INDEX64] = a->index_type == HEP_INDEX_INT64;
     __atomic_store_n(flags_of(g, me) + HEP_FLAG_COUNTS_READY, e, __ATOMIC_RELEASE);
     rc = wait_all(g, HEP_FLAG_COUNTS_READY, e, "dispatch", "its routing to be published");
     if (rc)
@@ -233,7 +232,7 @@ int hep_host_combine(hep_group *g, const hep_combine_args *a)
     float acc[512];
     int rc;
 
-    mailbox_of(g, me)[MB_COMBINE_IN] =
+    mailbox_of(g, me)[HEP_MB_COMBINE_IN] =
         (uint64_t)(uintptr_t)(a->expert_out ? a->expert_out : hep_my_buf(g, HEP_BUF_TOKEN_X));
     __atomic_store_n(flags_of(g, me) + HEP_FLAG_COMBINE_READY, e, __ATOMIC_RELEASE);
     rc = wait_all(g, HEP_FLAG_COMBINE_READY, e, "combine", "its expert outputs");
@@ -249,7 +248,7 @@ int hep_host_combine(hep_group *g, const hep_combine_args *a)
                 const uint16_t *src;
                 if (r < 0)
                     continue;
-                src = (const uint16_t *)(uintptr_t)mailbox_of(g, d)[MB_COMBINE_IN] +
+                src = (const uint16_t *)(uintptr_t)mailbox_of(g, d)[HEP_MB_COMBINE_IN] +
                       (size_t)r * (size_t)H + (size_t)c0;
                 for (int c = 0; c < n; c++)
                     acc[c] += bf16_to_f32(src[c]);
