@@ -27,6 +27,9 @@ doctor_text_exits_0() { "$H" doctor | grep -q "hybridep doctor"; }
 doctor_json_is_one_document() { "$H" doctor --json | python3 -m json.tool >/dev/null; }
 bench_host_runs_and_says_so() { "$H" bench --backend host --ranks-per-node 4 --tokens 64 \
     --hidden 256 --experts-per-rank 2 --topk 2 | grep -q "HOST backend (no GPU)"; }
+bench_host_two_nodes_runs() { "$H" bench --backend host --nodes 2 --ranks-per-node 2 \
+    --tokens 32 --hidden 256 --experts-per-rank 2 --topk 2 | grep -q "2 node(s) x 2, loopback NIC"; }
+bench_gpu_nodes_refused_clearly() { "$H" bench --backend gpu --nodes 2 2>&1 | grep -q "not available"; }
 bench_rejects_bad_dtype() { "$H" bench --dtype int4; test $? -eq 2; }
 check plan_ep64 plan_ep64
 check plan_json_lists_14_rdma_buffers plan_json
@@ -37,6 +40,8 @@ check doctor_text_exits_0 doctor_text_exits_0
 check doctor_json_is_one_document doctor_json_is_one_document
 check bench_host_runs_and_says_so bench_host_runs_and_says_so
 check bench_rejects_bad_dtype bench_rejects_bad_dtype
+check bench_host_two_nodes_runs bench_host_two_nodes_runs
+check bench_gpu_nodes_refused_clearly bench_gpu_nodes_refused_clearly
 rm -f /tmp/hep_cli_$$
 echo "$pass passed, $fail failed"
 test "$fail" -eq 0

@@ -17,6 +17,7 @@
 #include "fake_mr.h"
 #include "group/group.h"
 #include "net/net.h"
+#include "net/proxy.h"
 #include "ranks.h"
 
 static _Thread_local int tl_rank = -1;
@@ -235,6 +236,78 @@ static void group_gpu_backend_without_a_gpu_fails_with_a_cuda_message(void **sta
     }
 }
 
+/* 2 nodes x 2 ranks, host backend: rank 0's 6 tokens with a fixed routing; after one
+ * dispatch the proxy of rank 0 sent its peer (rank 2) exactly the tokens that node 1 needs,
+ * once each (rows, routing, FP8 scales), plus one count and one flag. */
+typedef struct wire_case {
+    uint64_t bytes[4], data_wrs[4], flag_wrs[4];
+    int rc[4];
+} wire_case;
+
+static int wire_rank(rank_ctx *r)
+{
+    wire_case *w = r->arg;
+    hep_config c = test_config(256, 8, 2, 2, HEP_DTYPE_FP8_E4M3);
+    hep_group *g = NULL;
+    hep_dispatch_args da;
+    hep_dispatch_result dr;
+    hep_proxy_peer_stats st;
+    /* experts 0-3 on node 0 (ranks 0, 1), 4-7 on node 1 (ranks 2, 3) */
+    static const int ids[6][2] = {{0, 4}, {1, 2}, {5, 6}, {7, -1}, {3, 3}, {-1, -1}};
+    static float wts[6][2] = {{.5f, .5f}, {.25f, .75f}, {1, 0}, {1, 0}, {.5f, .5f}, {0, 0}};
+    static uint8_t tok[4][6][256];
+    static float sc[4][6][2];
+    int rc;
+    c.backend = HEP_BACKEND_HOST;
+    c.ranks_per_node = 2;
+    rc = hep_group_create(&c, &r->bs, 0, &g);
+    if (rc)
+        return rc;
+    memset(&da, 0, sizeof(da));
+    da.num_tokens = r->rank == 0 ? 6 : 0; /* only rank 0 sends */
+    da.tokens = tok[r->rank];
+    da.scales = &sc[r->rank][0][0];
+    da.topk_idx = ids;
+    da.topk = 2;
+    da.topk_weights = &wts[0][0];
+    rc = hep_dispatch(g, &da, &dr);
+    for (int p = 0; rc == 0 && p < 4; p++) {
+        hep_proxy_stats(g->proxy, p, &st);
+        w->bytes[p] = r->rank == 0 ? st.bytes : w->bytes[p];
+        w->data_wrs[p] = r->rank == 0 ? st.data_wrs : w->data_wrs[p];
+        w->flag_wrs[p] = r->rank == 0 ? st.flag_wrs : w->flag_wrs[p];
+    }
+    w->rc[r->rank] = rc;
+    if (rc == 0) {
+        hep_combine_args ca = {dr.handle, hep_combine_input(g), tok[r->rank], NULL, 0};
+        rc = hep_combine(g, &ca);
+    }
+    hep_group_destroy(g);
+    return rc;
+}
+
+static void group_internode_dispatch_sends_each_peer_exactly_what_its_node_needs(void **state)
+{
+    static wire_case w;
+    rank_ctx ctx[4];
+    /* node 1 needs tokens 0, 2, 3 (experts 4, 5-6, 7): 3 rows of 256 B, 3 x 2 ids (i32)
+     * and 3 x 2 weights, 3 x 2 FP8 scales, then one 8-byte count; its flag is a flag write */
+    const uint64_t expect = 3 * 256 + 3 * 2 * 4 + 3 * 2 * 4 + 3 * 2 * 4 + 8;
+    (void)state;
+    memset(&w, 0, sizeof(w));
+    assert_int_equal(run_ranks(4, wire_rank, &w, ctx), 0);
+    for (int r = 0; r < 4; r++)
+        if (ctx[r].rc)
+            fail_msg("rank %d: %s", r, ctx[r].err);
+    assert_int_equal(w.bytes[2], expect);
+    assert_int_equal(w.flag_wrs[2], 1);
+    /* rows 0 | 2, 3 coalesce into two writes per buffer (4 buffers), then the count */
+    assert_int_equal(w.data_wrs[2], 4 * 2 + 1);
+    for (int p = 0; p < 4; p++)
+        if (p != 2)
+            assert_int_equal(w.bytes[p], 0); /* nothing to its own node, nothing to rank 3 */
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -247,6 +320,7 @@ int main(void)
         cmocka_unit_test(group_failed_registration_fails_every_rank_with_that_buffers_message),
         cmocka_unit_test(group_create_destroy_100_times_leaks_no_fd_thread_or_registration),
         cmocka_unit_test(group_gpu_backend_without_a_gpu_fails_with_a_cuda_message),
+        cmocka_unit_test(group_internode_dispatch_sends_each_peer_exactly_what_its_node_needs),
     };
     return cmocka_run_group_tests_name("group", tests, NULL, NULL);
 }
