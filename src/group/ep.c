@@ -204,7 +204,7 @@ int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *
     if (rc)
         return rc;
     if (g->cfg.backend == HEP_BACKEND_HOST)
-        return g->N > 1 ? hep_host_dispatch_internode(g, a, o) : hep_host_dispatch(g, a, o);
+        return hep_host_dispatch(g, a, o);
     if (g->N > 1)
         return hep_fail(HEP_ERR_UNAVAILABLE,
                         "GPU dispatch across %d nodes is not available in this version (the "
@@ -250,7 +250,7 @@ int hep_combine(hep_group *g, const hep_combine_args *a)
                           (rc = check_ptr(a->expert_out, 16, "hep_combine: expert_out"))))
         return rc;
     if (g->cfg.backend == HEP_BACKEND_HOST)
-        rc = g->N > 1 ? hep_host_combine_internode(g, a) : hep_host_combine(g, a);
+        rc = hep_host_combine(g, a);
     else {
         k = g->kargs;
         k->combine_out = a->out;

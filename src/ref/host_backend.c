@@ -1,27 +1,43 @@
 /* ref/host_backend.c: dispatch and combine on host memory, ranks as threads of one
- * process. It is the reference semantics (the oracle of every GPU test) and the backend of
- * machines without a GPU. Unlike the GPU kernels (sources push rows), each rank here pulls
- * what it needs from the node-mates' published inputs: a second, independent algorithm
- * for the same outputs. Node-mates synchronise through the same monotonic flags, with
- * bounded waits. */
-#include <sched.h>
+ * process: the reference semantics (the oracle of every GPU test) and the backend of
+ * machines without a GPU. Unlike the GPU kernels (sources push rows), each rank pulls what
+ * it needs from its node-mates: a second, independent algorithm for the same outputs. With
+ * N > 1 it runs the hierarchical path through the RDMA coordinator's NIC (the loopback NIC
+ * in one process) and the CPU proxy, which makes it the tested wire protocol of that path.
+ *
+ * Dispatch, on rank (n, l): its tokens, their routing (top-k ids and weights) and FP8
+ * scales are staged in the registered dispatch.attn_input_*; for every other node m that
+ * hosts one of a token's experts, the token goes once, packed in source order, into the
+ * peer (m, l)'s dispatch.rdma_inter_node_group_* slot for n, followed by the count and
+ * then the flag (RC order). Every rank then pulls, in [source node][source local][token]
+ * order, what its experts need: from a node-mate's inputs for its own node, from a
+ * node-mate's slot for the other nodes (after that slot's flag).
+ * Combine: the peer (m, l) sums, per token of its slot for n, the rows of its node-mates
+ * that received it (f32, ascending local rank), rounds to BF16 into
+ * combine.rdma_intra_node_red_token, and sends them (then count, flag) into (n, l)'s
+ * combine.rdma_inter_node_group_token slot for m; (n, l) adds its own node's share and
+ * then the partial sums in ascending node order. */
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "core/core.h"
 #include "group/group.h"
 #include "kernels/ep_kernels.h"
+#include "net/proxy.h"
 
-#define HOST_DONE_DISPATCH HEP_FLAG_HOST_DONE
-#define HOST_DONE_COMBINE (HEP_FLAG_HOST_DONE + 1)
+#define DONE_DISPATCH HEP_FLAG_HOST_DONE
+#define DONE_COMBINE (HEP_FLAG_HOST_DONE + 1)
 
-typedef struct src_view {
+typedef struct view { /* a run of tokens with their routing, where they are read from */
     const unsigned char *tokens;
-    const float *scales, *weights;
-    const void *idx;
-    int t, K, index64;
-} src_view;
+    const float *scales;
+    const int *ids;       /* [n][Kmax] (slots) ... */
+    const float *w;       /* ... [n][Kmax] */
+    const void *idx;      /* ... or the caller's [t][K] (own node) */
+    const float *weights;
+    int t, K, index64, kmax, slot;
+} view;
 
 static uint64_t *flags_of(hep_group *g, int l)
 {
@@ -31,77 +47,113 @@ static uint64_t *mailbox_of(hep_group *g, int l)
 {
     return (uint64_t *)hep_peer_buf(g, l, HEP_BUF_MAILBOX);
 }
-
-static double now_ms(void)
+/* Buffer `id` of node-mate l's local arena (host backend: one address space). */
+static char *mate_local(hep_group *g, int l, int id)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+    return (char *)(uintptr_t)mailbox_of(g, l)[HEP_MB_LOCAL] + g->plan.buf[id].offset;
+}
+static int slot_of(int src_node, int at_node)
+{
+    return src_node < at_node ? src_node : src_node - 1;
 }
 
-/* Every node-mate's flags[word] >= e, within HEP_TIMEOUT_MS. */
-static int wait_all(hep_group *g, int word, uint64_t e, const char *call, const char *what)
+static long long id_at(const view *v, int i, int k)
 {
-    double start = now_ms(), limit = (double)hep_env_get()->timeout_ms;
+    if (v->slot)
+        return k < v->kmax ? v->ids[(size_t)i * (size_t)v->kmax + (size_t)k] : -1;
+    size_t o = (size_t)i * (size_t)v->K + (size_t)k;
+    return v->index64 ? ((const long long *)v->idx)[o] : ((const int *)v->idx)[o];
+}
+static float w_at(const view *v, int i, int k)
+{
+    return v->slot ? v->w[(size_t)i * (size_t)v->kmax + (size_t)k]
+                   : v->weights[(size_t)i * (size_t)v->K + (size_t)k];
+}
+static int kslots(const view *v)
+{
+    return v->slot ? v->kmax : v->K;
+}
+/* Does token i need global rank r (any expert on it)? / node m? */
+static int needs_rank(const hep_group *g, const view *v, int i, int r)
+{
+    for (int k = 0; k < kslots(v); k++) {
+        long long x = id_at(v, i, k);
+        if (x >= 0 && x < (long long)g->cfg.experts_per_rank * g->world &&
+            x / g->cfg.experts_per_rank == r)
+            return 1;
+    }
+    return 0;
+}
+static int needs_node(const hep_group *g, const view *v, int i, int m)
+{
+    for (int l = 0; l < g->R; l++)
+        if (needs_rank(g, v, i, m * g->R + l))
+            return 1;
+    return 0;
+}
+
+static int wait_ge(hep_group *g, volatile uint64_t *f, uint64_t e, int peer, const char *what)
+{
+    int rc = hep_proxy_wait_flag(f, e, g->rank, peer, what);
+    if (rc) {
+        snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", hep_last_error());
+        g->broken = 1;
+    }
+    return rc;
+}
+
+static int wait_mates(hep_group *g, int word, uint64_t e, const char *what)
+{
     for (int l = 0; l < g->R; l++) {
-        uint64_t *f = flags_of(g, l) + word;
-        unsigned spins = 0;
-        while (__atomic_load_n(f, __ATOMIC_ACQUIRE) < e) {
-            if ((++spins & 63) == 0) {
-                double waited = now_ms() - start;
-                if (waited > limit) {
-                    int peer = g->node * g->R + l;
-                    snprintf(g->broken_msg, sizeof(g->broken_msg),
-                             "%s timed out on rank %d after %.0f ms (HEP_TIMEOUT_MS) waiting for "
-                             "%s: expected %llu, saw %llu: rank %d did not arrive",
-                             call, g->rank, waited, what, (unsigned long long)e,
-                             (unsigned long long)__atomic_load_n(f, __ATOMIC_ACQUIRE), peer);
-                    g->broken = 1;
-                    return hep_fail(HEP_ERR_TIMEOUT, "%s", g->broken_msg);
-                }
-                sched_yield();
-            }
-        }
+        int rc = wait_ge(g, flags_of(g, l) + word, e, g->node * g->R + l, what);
+        if (rc)
+            return rc;
     }
     return HEP_OK;
 }
 
-static void view_of(hep_group *g, int l, src_view *v)
+/* A proxy chunk from this rank's buffer lid (+loff) to the peer's buffer rid (+roff). */
+static hep_proxy_chunk chunk(hep_group *g, int peer, int lid, size_t loff, int rid, size_t roff,
+                             size_t len, const volatile uint64_t *ready)
 {
-    const volatile uint64_t *m = mailbox_of(g, l);
-    v->tokens = (const unsigned char *)(uintptr_t)m[HEP_MB_TOKENS];
-    v->scales = (const float *)(uintptr_t)m[HEP_MB_SCALES];
-    v->idx = (const void *)(uintptr_t)m[HEP_MB_IDX];
-    v->weights = (const float *)(uintptr_t)m[HEP_MB_WEIGHTS];
-    v->t = (int)m[HEP_MB_T];
-    v->K = (int)m[HEP_MB_K];
-    v->index64 = (int)m[HEP_MB_INDEX64];
+    const hep_coord *c = g->coord;
+    const hep_gpu_mr *m = &c->mr[lid - HEP_FIRST_RDMA_BUF];
+    const hep_remote_buf *r = &c->remote[(size_t)peer * HEP_RDMA_BUF_COUNT +
+                                         (size_t)(rid - HEP_FIRST_RDMA_BUF)];
+    hep_proxy_chunk k;
+    memset(&k, 0, sizeof(k));
+    k.ready = ready;
+    k.peer = peer;
+    k.lkey = m->lkey;
+    k.laddr = m->addr + loff;
+    k.rkey = r->rkey;
+    k.raddr = r->addr + roff;
+    k.len = len;
+    k.name = g->plan.buf[lid].name;
+    return k;
 }
 
-static long long id_at(const src_view *v, int i, int k)
+/* The count of a slot (data write), then its flag (the chunk's flag write): count words
+ * at [0, N), flag words at [N, 2N) of a flags buffer. */
+static hep_proxy_chunk count_then_flag(hep_group *g, int peer, int lid, int rid, int lword,
+                                       int rword, const volatile uint64_t *ready)
 {
-    size_t o = (size_t)i * (size_t)v->K + (size_t)k;
-    return v->index64 ? ((const long long *)v->idx)[o] : ((const int *)v->idx)[o];
+    hep_proxy_chunk k = chunk(g, peer, lid, (size_t)lword * 8, rid, (size_t)rword * 8, 8, ready);
+    const hep_proxy_chunk f = chunk(g, peer, lid, (size_t)(g->N + lword) * 8, rid,
+                                    (size_t)(g->N + rword) * 8, 8, ready);
+    k.flag = 1;
+    k.flag_lkey = f.lkey;
+    k.flag_laddr = f.laddr;
+    k.flag_rkey = f.rkey;
+    k.flag_raddr = f.raddr;
+    return k;
 }
 
-/* Destination ranks of token i (ids out of range are ignored, as on the GPU). */
-static uint64_t dest_mask(const hep_group *g, const src_view *v, int i)
+static int first_invalid(const hep_group *g, const view *v, int *tok, int *slot, long long *val)
 {
-    long long E = (long long)g->cfg.experts_per_rank * g->R;
-    uint64_t m = 0;
-    for (int k = 0; k < v->K; k++) {
-        long long x = id_at(v, i, k);
-        if (x >= 0 && x < E)
-            m |= 1ull << (x / g->cfg.experts_per_rank);
-    }
-    return m;
-}
-
-static int first_invalid(const hep_group *g, const src_view *v, int *tok, int *slot, long long *val)
-{
-    long long E = (long long)g->cfg.experts_per_rank * g->R;
+    long long E = (long long)g->cfg.experts_per_rank * g->world;
     for (int i = 0; i < v->t; i++)
-        for (int k = 0; k < v->K; k++) {
+        for (int k = 0; k < kslots(v); k++) {
             long long x = id_at(v, i, k);
             if (x < -1 || x >= E) {
                 *tok = i, *slot = k, *val = x;
@@ -111,8 +163,7 @@ static int first_invalid(const hep_group *g, const src_view *v, int *tok, int *s
     return 0;
 }
 
-/* Copy token i of source v into my receive row `row`; count its local experts. */
-static void receive(hep_group *g, const src_view *v, int i, int row, int *tpe)
+static void receive(hep_group *g, const view *v, int i, int row, int *tpe)
 {
     const int El = g->cfg.experts_per_rank, H = g->cfg.hidden;
     const size_t rb = (size_t)H * (g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2);
@@ -125,12 +176,12 @@ static void receive(hep_group *g, const src_view *v, int i, int row, int *tpe)
                v->scales + (size_t)i * ns, ns * sizeof(float));
     }
     memset(prob, 0, (size_t)El * sizeof(float));
-    for (int k = 0; k < v->K; k++) {
+    for (int k = 0; k < kslots(v); k++) {
         long long x = id_at(v, i, k);
         int dup = 0;
         if (x < first || x >= first + El)
             continue;
-        prob[x - first] += v->weights[(size_t)i * (size_t)v->K + (size_t)k];
+        prob[x - first] += w_at(v, i, k);
         for (int q = 0; q < k; q++)
             dup |= id_at(v, i, q) == x;
         if (!dup)
@@ -138,15 +189,115 @@ static void receive(hep_group *g, const src_view *v, int i, int row, int *tpe)
     }
 }
 
+static void own_view(hep_group *g, int l, view *v)
+{
+    const volatile uint64_t *m = mailbox_of(g, l);
+    memset(v, 0, sizeof(*v));
+    v->tokens = (const unsigned char *)(uintptr_t)m[HEP_MB_TOKENS];
+    v->scales = (const float *)(uintptr_t)m[HEP_MB_SCALES];
+    v->idx = (const void *)(uintptr_t)m[HEP_MB_IDX];
+    v->weights = (const float *)(uintptr_t)m[HEP_MB_WEIGHTS];
+    v->t = (int)m[HEP_MB_T];
+    v->K = (int)m[HEP_MB_K];
+    v->index64 = (int)m[HEP_MB_INDEX64];
+}
+
+/* Node-mate l's receive slot for source node ns (count from its flag words). */
+static void slot_view(hep_group *g, int l, int ns, view *v)
+{
+    const size_t T = (size_t)g->cfg.max_tokens, H = (size_t)g->cfg.hidden;
+    const size_t rb = H * (g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2);
+    const int kmax = g->cfg.max_topk, s = slot_of(ns, g->node);
+    const uint64_t *fl = (const uint64_t *)mate_local(g, l, HEP_BUF_D_GROUP_FLAGS);
+    const char *route = mate_local(g, l, HEP_BUF_D_GROUP_PROB) + (size_t)s * T * 2 * (size_t)kmax * 4;
+    memset(v, 0, sizeof(*v));
+    v->slot = 1;
+    v->kmax = kmax;
+    v->t = (int)fl[s];
+    v->tokens = (const unsigned char *)mate_local(g, l, HEP_BUF_D_GROUP_TOKEN) + (size_t)s * T * rb;
+    v->ids = (const int *)route;
+    v->w = (const float *)(route + T * (size_t)kmax * 4);
+    if (g->cfg.dtype == HEP_DTYPE_FP8_E4M3)
+        v->scales = (const float *)mate_local(g, l, HEP_BUF_D_GROUP_SCALE) +
+                    (size_t)s * T * (H / HEP_FP8_BLOCK);
+}
+
+/* Stage this rank's tokens, routing and scales; send each remote node what it needs. */
+static int send_dispatch(hep_group *g, const hep_dispatch_args *a, uint64_t e)
+{
+    const size_t T = (size_t)g->cfg.max_tokens, H = (size_t)g->cfg.hidden;
+    const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3, kmax = g->cfg.max_topk;
+    const size_t rb = H * (fp8 ? 1 : 2), ns = H / HEP_FP8_BLOCK;
+    char *tok = hep_my_buf(g, HEP_BUF_D_ATTN_TOKEN);
+    int *ids = (int *)hep_my_buf(g, HEP_BUF_D_ATTN_PROB);
+    float *w = (float *)(ids + T * (size_t)kmax);
+    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_D_ATTN_FLAGS);
+    view mine;
+    hep_proxy_chunk *ch;
+    int n = 0, rc;
+    if (g->N == 1)
+        return HEP_OK; /* one node: nothing crosses a network */
+    own_view(g, g->local, &mine);
+    memcpy(tok, a->tokens, rb * (size_t)a->num_tokens);
+    if (fp8)
+        memcpy(hep_my_buf(g, HEP_BUF_D_ATTN_SCALE), a->scales,
+               ns * 4 * (size_t)a->num_tokens);
+    for (int i = 0; i < a->num_tokens; i++)
+        for (int k = 0; k < kmax; k++) {
+            ids[(size_t)i * kmax + k] = k < a->topk ? (int)id_at(&mine, i, k) : -1;
+            w[(size_t)i * kmax + k] = k < a->topk ? w_at(&mine, i, k) : 0.f;
+        }
+    ch = malloc(sizeof(*ch) * ((size_t)a->num_tokens * 4 + 1) * (size_t)g->N);
+    if (!ch)
+        return hep_fail(HEP_ERR_NOMEM, "dispatch: out of memory");
+    for (int m = 0; m < g->N; m++) {
+        int peer = m * g->R + g->local, s = slot_of(g->node, m), k = 0;
+        const volatile uint64_t *ready = words + g->N + m;
+        if (m == g->node)
+            continue;
+        /* one pass per buffer, so that adjacent rows go out as one write */
+        for (int kind = 0; kind < (fp8 ? 4 : 3); kind++) {
+            k = 0;
+            for (int i = 0; i < a->num_tokens; i++) {
+                if (!needs_node(g, &mine, i, m))
+                    continue;
+                if (kind == 0)
+                    ch[n++] = chunk(g, peer, HEP_BUF_D_ATTN_TOKEN, (size_t)i * rb,
+                                    HEP_BUF_D_GROUP_TOKEN, ((size_t)s * T + (size_t)k) * rb, rb,
+                                    ready);
+                else if (kind == 3)
+                    ch[n++] = chunk(g, peer, HEP_BUF_D_ATTN_SCALE, (size_t)i * ns * 4,
+                                    HEP_BUF_D_GROUP_SCALE, ((size_t)s * T + (size_t)k) * ns * 4,
+                                    ns * 4, ready);
+                else /* 1: ids, 2: weights */
+                    ch[n++] = chunk(g, peer, HEP_BUF_D_ATTN_PROB,
+                                    ((size_t)(kind - 1) * T + (size_t)i) * (size_t)kmax * 4,
+                                    HEP_BUF_D_GROUP_PROB,
+                                    ((size_t)s * 2 * T + (size_t)(kind - 1) * T + (size_t)k) *
+                                        (size_t)kmax * 4,
+                                    (size_t)kmax * 4, ready);
+                k++;
+            }
+        }
+        words[m] = (uint64_t)k;
+        __atomic_store_n(&words[g->N + m], e, __ATOMIC_RELEASE); /* ready = the flag value */
+        ch[n++] = count_then_flag(g, peer, HEP_BUF_D_ATTN_FLAGS, HEP_BUF_D_GROUP_FLAGS, m, s,
+                                  ready);
+    }
+    rc = hep_proxy_submit(g->proxy, ch, n, e);
+    free(ch);
+    return rc ? rc : hep_proxy_wait(g->proxy);
+}
+
 int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *o)
 {
-    const int R = g->R, me = g->local, El = g->cfg.experts_per_rank;
-    uint64_t *mb = mailbox_of(g, me), e = g->epoch + 1;
+    const int El = g->cfg.experts_per_rank, W = g->world;
+    uint64_t *mb = mailbox_of(g, g->local), e = g->epoch + 1;
     int *host_counts = (int *)hep_my_buf(g, HEP_BUF_HOST_COUNTS);
-    int *rows = (int *)hep_my_buf(g, HEP_BUF_HANDLE_ROWS);
+    int *base = (int *)hep_my_buf(g, HEP_BUF_HANDLE_META); /* my row base per source rank */
     int row = 0, rc, tok = 0, slot = 0, bad;
     long long val = 0;
-    src_view mine;
+    view mine;
 
     mb[HEP_MB_TOKENS] = (uint64_t)(uintptr_t)a->tokens;
     mb[HEP_MB_SCALES] = (uint64_t)(uintptr_t)a->scales;
@@ -155,47 +306,46 @@ int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_res
     mb[HEP_MB_T] = (uint64_t)a->num_tokens;
     mb[HEP_MB_K] = (uint64_t)a->topk;
     mb[HEP_MB_INDEX64] = a->index_type == HEP_INDEX_INT64;
-    __atomic_store_n(flags_of(g, me) + HEP_FLAG_COUNTS_READY, e, __ATOMIC_RELEASE);
-    rc = wait_all(g, HEP_FLAG_COUNTS_READY, e, "dispatch", "its routing to be published");
+    __atomic_store_n(flags_of(g, g->local) + HEP_FLAG_COUNTS_READY, e, __ATOMIC_RELEASE);
+    rc = send_dispatch(g, a, e);
+    if (rc == HEP_OK)
+        rc = wait_mates(g, HEP_FLAG_COUNTS_READY, e, "its routing to be published");
     if (rc)
         return rc;
-
     memset(host_counts, 0, (size_t)(El + 1) * sizeof(int));
-    /* what I receive, in [source rank][token] order */
-    for (int s = 0; s < R; s++) {
-        src_view v;
-        view_of(g, s, &v);
-        for (int i = 0; i < v.t; i++)
-            if (dest_mask(g, &v, i) >> me & 1)
-                receive(g, &v, i, row++, host_counts + 1);
-    }
-    host_counts[0] = row;
-    /* where my tokens landed: the rows of the sources before me come first */
-    view_of(g, me, &mine);
-    for (int d = 0; d < R; d++) {
-        int next = 0;
-        for (int s = 0; s < me; s++) {
-            src_view v;
-            view_of(g, s, &v);
-            for (int i = 0; i < v.t; i++)
-                next += (int)(dest_mask(g, &v, i) >> d & 1);
+    for (int ns = 0; ns < g->N && rc == HEP_OK; ns++)
+        for (int l = 0; l < g->R && rc == HEP_OK; l++) {
+            view v;
+            base[ns * g->R + l] = row;
+            if (ns == g->node) {
+                own_view(g, l, &v);
+            } else {
+                const uint64_t *fl = (const uint64_t *)mate_local(g, l, HEP_BUF_D_GROUP_FLAGS);
+                rc = wait_ge(g, (volatile uint64_t *)&fl[g->N + slot_of(ns, g->node)], e,
+                             ns * g->R + l, "its dispatch rows");
+                slot_view(g, l, ns, &v);
+            }
+            for (int i = 0; rc == HEP_OK && i < v.t; i++)
+                if (needs_rank(g, &v, i, g->rank))
+                    receive(g, &v, i, row++, host_counts + 1);
         }
-        for (int i = 0; i < mine.t; i++)
-            rows[(size_t)i * (size_t)R + (size_t)d] = dest_mask(g, &mine, i) >> d & 1 ? next++ : -1;
-    }
+    if (rc)
+        return rc;
+    host_counts[0] = row;
+    base[W] = row;
+    own_view(g, g->local, &mine);
     bad = first_invalid(g, &mine, &tok, &slot, &val);
     /* nobody may return (and free its inputs) while another still reads them */
-    __atomic_store_n(flags_of(g, me) + HOST_DONE_DISPATCH, e, __ATOMIC_RELEASE);
-    rc = wait_all(g, HOST_DONE_DISPATCH, e, "dispatch", "the node-mates to finish reading");
+    __atomic_store_n(flags_of(g, g->local) + DONE_DISPATCH, e, __ATOMIC_RELEASE);
+    rc = wait_mates(g, DONE_DISPATCH, e, "the node-mates to finish reading");
     if (rc)
         return rc;
-
     g->epoch = e;
     g->last_t = a->num_tokens;
     g->last_recv = row;
     g->last_handle = e;
     hep_fill_dispatch_result(g, o);
-    o->num_recv_device = host_counts; /* host memory: the host backend's "device" */
+    o->num_recv_device = host_counts;
     o->tokens_per_expert_device = host_counts + 1;
     o->num_recv = row;
     o->handle = e;
@@ -207,15 +357,14 @@ int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_res
     return HEP_OK;
 }
 
-static float bf16_to_f32(uint16_t h)
+static float bf16_f32(uint16_t h)
 {
     uint32_t u = (uint32_t)h << 16;
     float f;
     memcpy(&f, &u, sizeof(f));
     return f;
 }
-
-static uint16_t f32_to_bf16(float f) /* round to nearest even, as __float2bfloat16_rn */
+static uint16_t f32_bf16(float f)
 {
     uint32_t u;
     memcpy(&u, &f, sizeof(u));
@@ -224,39 +373,100 @@ static uint16_t f32_to_bf16(float f) /* round to nearest even, as __float2bfloat
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* acc[0..H) += the rows of token i of v at the node-mates that received it, where `next`
+ * counts, per node-mate, the tokens of that source routed to it so far. */
+static void add_node_share(hep_group *g, const view *v, int i, int src, int *next, float *acc)
+{
+    const int H = g->cfg.hidden;
+    for (int l = 0; l < g->R; l++) {
+        int d = g->node * g->R + l;
+        const int *mbase = (const int *)mate_local(g, l, HEP_BUF_HANDLE_META);
+        const uint16_t *x;
+        if (!needs_rank(g, v, i, d))
+            continue;
+        x = (const uint16_t *)(uintptr_t)mailbox_of(g, l)[HEP_MB_COMBINE_IN] +
+            (size_t)(mbase[src] + next[l]++) * (size_t)H;
+        for (int c = 0; c < H; c++)
+            acc[c] += bf16_f32(x[c]);
+    }
+}
+
 int hep_host_combine(hep_group *g, const hep_combine_args *a)
 {
-    const int R = g->R, me = g->local, H = g->cfg.hidden;
+    const size_t T = (size_t)g->cfg.max_tokens, H = (size_t)g->cfg.hidden, rb2 = H * 2;
     const uint64_t e = g->epoch;
-    const int *rows = (const int *)hep_my_buf(g, HEP_BUF_HANDLE_ROWS);
-    float acc[512];
-    int rc;
+    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_C_OUT_FLAGS);
+    const uint64_t *in = (const uint64_t *)hep_my_buf(g, HEP_BUF_C_GROUP_FLAGS);
+    uint16_t *red = (uint16_t *)hep_my_buf(g, HEP_BUF_C_RED_TOKEN);
+    const uint16_t *parts = (const uint16_t *)hep_my_buf(g, HEP_BUF_C_GROUP_TOKEN);
+    float *acc = malloc(sizeof(float) * H);
+    hep_proxy_chunk *ch = malloc(sizeof(hep_proxy_chunk) * 2 * (size_t)g->N);
+    int *knode = calloc((size_t)g->N, sizeof(int));
+    int n = 0, rc, next[HEP_MAX_LOCAL];
+    view mine;
 
-    mailbox_of(g, me)[HEP_MB_COMBINE_IN] =
+    if (!acc || !ch || !knode) {
+        free(acc), free(ch), free(knode);
+        return hep_fail(HEP_ERR_NOMEM, "combine: out of memory");
+    }
+    mailbox_of(g, g->local)[HEP_MB_COMBINE_IN] =
         (uint64_t)(uintptr_t)(a->expert_out ? a->expert_out : hep_my_buf(g, HEP_BUF_TOKEN_X));
-    __atomic_store_n(flags_of(g, me) + HEP_FLAG_COMBINE_READY, e, __ATOMIC_RELEASE);
-    rc = wait_all(g, HEP_FLAG_COMBINE_READY, e, "combine", "its expert outputs");
+    __atomic_store_n(flags_of(g, g->local) + HEP_FLAG_COMBINE_READY, e, __ATOMIC_RELEASE);
+    rc = wait_mates(g, HEP_FLAG_COMBINE_READY, e, "its expert outputs");
+    /* 1. as the peer of every other node: its tokens' partial sums over this node */
+    for (int m = 0; rc == HEP_OK && m < g->N; m++) {
+        int src = m * g->R + g->local, s = slot_of(m, g->node);
+        view v;
+        if (m == g->node)
+            continue;
+        slot_view(g, g->local, m, &v);
+        memset(next, 0, sizeof(next));
+        for (int k = 0; k < v.t; k++) {
+            memset(acc, 0, sizeof(float) * H);
+            add_node_share(g, &v, k, src, next, acc);
+            for (size_t c = 0; c < H; c++)
+                red[((size_t)s * T + (size_t)k) * H + c] = f32_bf16(acc[c]);
+        }
+        words[m] = (uint64_t)v.t;
+        __atomic_store_n(&words[g->N + m], e, __ATOMIC_RELEASE);
+        if (v.t)
+            ch[n++] = chunk(g, src, HEP_BUF_C_RED_TOKEN, (size_t)s * T * rb2, HEP_BUF_C_GROUP_TOKEN,
+                            (size_t)slot_of(g->node, m) * T * rb2, (size_t)v.t * rb2,
+                            words + g->N + m);
+        ch[n++] = count_then_flag(g, src, HEP_BUF_C_OUT_FLAGS, HEP_BUF_C_GROUP_FLAGS, m,
+                                  slot_of(g->node, m), words + g->N + m);
+    }
+    if (rc == HEP_OK && g->N > 1)
+        rc = hep_proxy_submit(g->proxy, ch, n, e);
+    if (rc == HEP_OK && g->N > 1)
+        rc = hep_proxy_wait(g->proxy);
+    /* 2. my tokens: my node's share, then the other nodes' partial sums in node order */
+    for (int m = 0; rc == HEP_OK && m < g->N; m++)
+        if (m != g->node)
+            rc = wait_ge(g, (volatile uint64_t *)&in[g->N + slot_of(m, g->node)], e,
+                         m * g->R + g->local, "its partial sums");
+    own_view(g, g->local, &mine);
+    memset(next, 0, sizeof(next));
+    for (int i = 0; rc == HEP_OK && i < g->last_t; i++) {
+        uint16_t *out = (uint16_t *)a->out + (size_t)i * H;
+        memset(acc, 0, sizeof(float) * H);
+        add_node_share(g, &mine, i, g->rank, next, acc);
+        for (int m = 0; m < g->N; m++) {
+            const uint16_t *p;
+            if (m == g->node || !needs_node(g, &mine, i, m))
+                continue;
+            p = parts + ((size_t)slot_of(m, g->node) * T + (size_t)knode[m]++) * H;
+            for (size_t c = 0; c < H; c++)
+                acc[c] += bf16_f32(p[c]);
+        }
+        for (size_t c = 0; c < H; c++)
+            out[c] = f32_bf16(acc[c]);
+    }
+    free(acc);
+    free(ch);
+    free(knode);
     if (rc)
         return rc;
-    for (int i = 0; i < g->last_t; i++) {
-        uint16_t *out = (uint16_t *)a->out + (size_t)i * (size_t)H;
-        for (int c0 = 0; c0 < H; c0 += 512) {
-            int n = H - c0 < 512 ? H - c0 : 512;
-            memset(acc, 0, sizeof(acc));
-            for (int d = 0; d < R; d++) { /* ascending destination rank, as the GPU sums */
-                int r = rows[(size_t)i * (size_t)R + (size_t)d];
-                const uint16_t *src;
-                if (r < 0)
-                    continue;
-                src = (const uint16_t *)(uintptr_t)mailbox_of(g, d)[HEP_MB_COMBINE_IN] +
-                      (size_t)r * (size_t)H + (size_t)c0;
-                for (int c = 0; c < n; c++)
-                    acc[c] += bf16_to_f32(src[c]);
-            }
-            for (int c = 0; c < n; c++)
-                out[c0 + c] = f32_to_bf16(acc[c]);
-        }
-    }
-    __atomic_store_n(flags_of(g, me) + HOST_DONE_COMBINE, e, __ATOMIC_RELEASE);
-    return wait_all(g, HOST_DONE_COMBINE, e, "combine", "the node-mates to finish reading");
+    __atomic_store_n(flags_of(g, g->local) + DONE_COMBINE, e, __ATOMIC_RELEASE);
+    return wait_mates(g, DONE_COMBINE, e, "the node-mates to finish reading");
 }
