@@ -93,8 +93,8 @@ static void host_dispatch_and_combine_match_hand_computed_case(void **state)
     ep_case_free(&c);
 }
 
-static void run_random(hep_config conf, int world, int K, int index64, int skew, int zero_copy,
-                       unsigned seed, int force_t)
+static void run_case(hep_config conf, int world, int K, int index64, int skew, int zero_copy,
+                     unsigned seed, int force_t, int repeat)
 {
     static ep_case c;
     memset(&c, 0, sizeof(c));
@@ -104,6 +104,7 @@ static void run_random(hep_config conf, int world, int K, int index64, int skew,
     c.index64 = index64;
     c.skip_rank = -1;
     c.zero_copy = zero_copy;
+    c.repeat = repeat;
     c.has_t_fixed = force_t >= 0;
     c.t_fixed = force_t;
     ep_case_random(&c, seed, skew);
@@ -111,6 +112,12 @@ static void run_random(hep_config conf, int world, int K, int index64, int skew,
     assert_ok(&c);
     assert_int_equal(ep_case_check(&c), 0);
     ep_case_free(&c);
+}
+
+static void run_random(hep_config conf, int world, int K, int index64, int skew, int zero_copy,
+                       unsigned seed, int force_t)
+{
+    run_case(conf, world, K, index64, skew, zero_copy, seed, force_t, 1);
 }
 
 static void host_random_bf16_int32_matches_oracle(void **state)
@@ -214,23 +221,9 @@ static void host_repeated_calls_stay_correct(void **state)
 static void run_nodes(int nodes, int R, hep_dtype dt, int index64, int zero_copy, int force_t,
                       int repeat, unsigned seed)
 {
-    static ep_case c;
-    memset(&c, 0, sizeof(c));
-    c.cfg = cfg(256, 20, 2, 4, dt);
-    c.cfg.ranks_per_node = R;
-    c.world = nodes * R;
-    c.K = 4;
-    c.index64 = index64;
-    c.zero_copy = zero_copy;
-    c.skip_rank = -1;
-    c.repeat = repeat;
-    c.has_t_fixed = force_t >= 0;
-    c.t_fixed = force_t;
-    ep_case_random(&c, seed, 0);
-    assert_int_equal(ep_case_run(&c), 0);
-    assert_ok(&c);
-    assert_int_equal(ep_case_check(&c), 0);
-    ep_case_free(&c);
+    hep_config conf = cfg(256, 20, 2, 4, dt);
+    conf.ranks_per_node = R;
+    run_case(conf, nodes * R, 4, index64, 0, zero_copy, seed, force_t, repeat);
 }
 
 static void host_two_nodes_of_two_ranks_match_the_oracle(void **state)
