@@ -20,6 +20,16 @@ static hep_config cfg(int H, int T, int El, int K, hep_dtype dt)
     return c;
 }
 
+/* A case of `world` ranks with K slots, nobody skipping; the caller fills the inputs. */
+static void init_case(ep_case *c, hep_config conf, int world, int K)
+{
+    memset(c, 0, sizeof(*c));
+    c->cfg = conf;
+    c->world = world;
+    c->K = K;
+    c->skip_rank = -1;
+}
+
 static void set_rank(ep_case *c, int r, int t, const int *ids, const float *w)
 {
     const int H = c->cfg.hidden;
@@ -52,11 +62,7 @@ static void host_dispatch_and_combine_match_hand_computed_case(void **state)
     const float w0[] = {.5f, .25f, .75f, .125f, .375f, .0625f}, w1[] = {.5f, .5f, 1, 1, .25f, .125f};
     const ep_rank_out *o0 = &c.out[0], *o1 = &c.out[1];
     (void)state;
-    memset(&c, 0, sizeof(c));
-    c.cfg = cfg(8, 3, 2, 2, HEP_DTYPE_BF16);
-    c.world = 2;
-    c.K = 2;
-    c.skip_rank = -1;
+    init_case(&c, cfg(8, 3, 2, 2, HEP_DTYPE_BF16), 2, 2);
     set_rank(&c, 0, 3, ids0, w0);
     set_rank(&c, 1, 3, ids1, w1);
     assert_int_equal(ep_case_run(&c), 0);
@@ -97,12 +103,8 @@ static void run_case(hep_config conf, int world, int K, int index64, int skew, i
                      unsigned seed, int force_t, int repeat)
 {
     static ep_case c;
-    memset(&c, 0, sizeof(c));
-    c.cfg = conf;
-    c.world = world;
-    c.K = K;
+    init_case(&c, conf, world, K);
     c.index64 = index64;
-    c.skip_rank = -1;
     c.zero_copy = zero_copy;
     c.repeat = repeat;
     c.has_t_fixed = force_t >= 0;
@@ -159,11 +161,7 @@ static void host_invalid_expert_id_is_reported_and_ignored(void **state)
     const int ids0[] = {0, 9}, ids1[] = {1, 2};
     const float w[] = {1, 1};
     (void)state;
-    memset(&c, 0, sizeof(c));
-    c.cfg = cfg(8, 1, 2, 2, HEP_DTYPE_BF16);
-    c.world = 2;
-    c.K = 2;
-    c.skip_rank = -1;
+    init_case(&c, cfg(8, 1, 2, 2, HEP_DTYPE_BF16), 2, 2);
     set_rank(&c, 0, 1, ids0, w);
     set_rank(&c, 1, 1, ids1, w);
     assert_int_equal(ep_case_run(&c), 0);
@@ -182,10 +180,7 @@ static void host_dispatch_times_out_naming_the_rank_that_never_called(void **sta
     (void)state;
     setenv("HEP_TIMEOUT_MS", "300", 1);
     hep_env_reload();
-    memset(&c, 0, sizeof(c));
-    c.cfg = cfg(64, 8, 2, 2, HEP_DTYPE_BF16);
-    c.world = 4;
-    c.K = 2;
+    init_case(&c, cfg(64, 8, 2, 2, HEP_DTYPE_BF16), 4, 2);
     c.skip_rank = 2;
     ep_case_random(&c, 3, 0);
     assert_int_equal(ep_case_run(&c), 0);
@@ -205,11 +200,7 @@ static void host_repeated_calls_stay_correct(void **state)
 {
     static ep_case c;
     (void)state;
-    memset(&c, 0, sizeof(c));
-    c.cfg = cfg(128, 12, 2, 3, HEP_DTYPE_BF16);
-    c.world = 4;
-    c.K = 3;
-    c.skip_rank = -1;
+    init_case(&c, cfg(128, 12, 2, 3, HEP_DTYPE_BF16), 4, 3);
     c.repeat = 7; /* monotonic flags across calls */
     ep_case_random(&c, 21, 0);
     assert_int_equal(ep_case_run(&c), 0);
@@ -252,11 +243,8 @@ static void host_internode_dispatch_times_out_naming_the_silent_rank(void **stat
     (void)state;
     setenv("HEP_TIMEOUT_MS", "300", 1);
     hep_env_reload();
-    memset(&c, 0, sizeof(c));
-    c.cfg = cfg(64, 8, 2, 2, HEP_DTYPE_BF16);
+    init_case(&c, cfg(64, 8, 2, 2, HEP_DTYPE_BF16), 4, 2);
     c.cfg.ranks_per_node = 2;
-    c.world = 4;
-    c.K = 2;
     c.skip_rank = 3; /* node 1 */
     ep_case_random(&c, 9, 0);
     assert_int_equal(ep_case_run(&c), 0);
