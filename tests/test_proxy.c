@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 #include <infiniband/verbs.h>
@@ -138,6 +139,52 @@ static void proxy_coalesces_contiguous_ready_chunks_into_one_write(void **state)
     assert_memory_equal(f->slots, f->staging, 5 * CH);
 }
 
+/* The GPU path's chunks: the producer publishes each block's extent with its ready
+ * counter, and the slot's flag (fenced) goes only after every earlier chunk to the peer. */
+static void proxy_takes_extents_from_the_producer_and_fences_the_slot_flag(void **state)
+{
+    fixture *f = *state;
+    static uint64_t desc[2][2];
+    hep_proxy_chunk c[3];
+    hep_proxy_peer_stats st0, st;
+    hep_proxy_stats(f->proxy, 2, &st0);
+    for (int b = 0; b < 2; b++) {
+        c[b] = chunk(f, b, 0, 8);
+        c[b].flag = 0;
+        c[b].len = 4 * CH; /* the most a block may cover */
+        c[b].desc = desc[b];
+        c[b].unit = 16;
+    }
+    c[2] = chunk(f, 2, 0, 0);
+    c[2].len = 0; /* a flag only */
+    c[2].fence = 1;
+    assert_int_equal(hep_proxy_submit(f->proxy, c, 3, 1), 0);
+    desc[0][0] = 0, desc[0][1] = 16; /* block 0: units [0, 16) */
+    publish(f, 0, 1);
+    publish(f, 2, 1);                /* the flag is ready before block 1 is */
+    for (int spin = 0; spin < 2000 && f->slots[8 * CH + 255] != f->staging[255]; spin++)
+        usleep(100);
+    assert_memory_equal(f->slots + 8 * CH, f->staging, 16 * 16);
+    usleep(20000);
+    assert_int_equal(__atomic_load_n(&f->flags[2], __ATOMIC_ACQUIRE), 0); /* fenced */
+    desc[1][0] = 16, desc[1][1] = 8; /* block 1: units [16, 24) */
+    publish(f, 1, 1);
+    assert_int_equal(hep_proxy_wait(f->proxy), 0);
+    assert_int_equal(f->flags[2], 1);
+    assert_memory_equal(f->slots + 8 * CH, f->staging, 24 * 16);
+    assert_int_equal(f->slots[8 * CH + 24 * 16], 0); /* nothing past the extents */
+    hep_proxy_stats(f->proxy, 2, &st);
+    assert_int_equal(st.bytes - st0.bytes, 24 * 16);
+    assert_int_equal(st.data_wrs - st0.data_wrs, 2);
+    assert_int_equal(st.flags_done - st0.flags_done, 1);
+    /* an extent beyond what the chunk may cover is the producer's error, named */
+    desc[0][0] = 60, desc[0][1] = 8; /* units [60, 68) of at most 64 */
+    publish(f, 0, 2), publish(f, 1, 2), publish(f, 2, 2);
+    assert_int_equal(hep_proxy_submit(f->proxy, c, 3, 2), 0);
+    assert_int_not_equal(hep_proxy_wait(f->proxy), 0);
+    assert_non_null(strstr(hep_last_error(), "beyond the 1024 bytes"));
+}
+
 static void proxy_refused_write_fails_the_batch_naming_peer_and_buffer(void **state)
 {
     fixture *f = *state;
@@ -209,6 +256,8 @@ int main(void)
             proxy_posts_chunks_as_they_become_ready_each_flag_after_its_data, setup, teardown),
         cmocka_unit_test_setup_teardown(proxy_coalesces_contiguous_ready_chunks_into_one_write,
                                         setup, teardown),
+        cmocka_unit_test_setup_teardown(
+            proxy_takes_extents_from_the_producer_and_fences_the_slot_flag, setup, teardown),
         cmocka_unit_test_setup_teardown(proxy_refused_write_fails_the_batch_naming_peer_and_buffer,
                                         setup, teardown),
         cmocka_unit_test_setup_teardown(

@@ -17,6 +17,8 @@ struct hep_proxy {
     int stop, busy;             /* busy: a batch is in flight */
     hep_proxy_chunk *chunks;
     unsigned char *posted;      /* per chunk */
+    unsigned char *resolved;    /* per chunk: its extent was read from its descriptor */
+    double *seen_ms;            /* per chunk: when it was first seen ready */
     int n, remaining_posts;     /* chunks not yet posted */
     uint64_t epoch, outstanding;/* work requests not yet completed */
     double deadline_ms;
@@ -24,6 +26,8 @@ struct hep_proxy {
     char msg[1024];
     hep_proxy_peer_stats *stats;/* [world] */
 };
+
+#define FLAG_WR (1ull << 32) /* work request ids: chunk index, + FLAG_WR for its flag */
 
 static double now_ms(void)
 {
@@ -40,9 +44,51 @@ static void batch_fail(hep_proxy *p, int rc, const char *msg)
     snprintf(p->msg, sizeof(p->msg), "%s", msg);
 }
 
-static int ready(const hep_proxy_chunk *c, uint64_t e)
+static int ready_raw(const hep_proxy_chunk *c, uint64_t e)
 {
     return __atomic_load_n((const uint64_t *)c->ready, __ATOMIC_ACQUIRE) >= e;
+}
+
+/* Ready, and its extent known: a descriptor is read once, after the acquire of ready. */
+static int ready_at(hep_proxy *p, int i)
+{
+    hep_proxy_chunk *c = &p->chunks[i];
+    if (p->resolved[i])
+        return 1;
+    if (!ready_raw(c, p->epoch))
+        return 0;
+    if (c->desc) {
+        uint64_t first = c->desc[0], count = c->desc[1];
+        if (c->unit == 0 || first > c->len / c->unit || count > c->len / c->unit - first) {
+            char m[512];
+            snprintf(m, sizeof(m),
+                     "proxy of rank %d: chunk %d of '%s' for rank %d: its producer published "
+                     "units %llu + %llu of %zu bytes, beyond the %zu bytes it may cover",
+                     p->net->rank, i, c->name ? c->name : "?", c->peer,
+                     (unsigned long long)first, (unsigned long long)count, c->unit, c->len);
+            batch_fail(p, HEP_ERR_INTERNAL, m);
+            return 0;
+        }
+        c->laddr += first * c->unit;
+        c->raddr += first * c->unit;
+        c->len = count * c->unit;
+    }
+    p->resolved[i] = 1;
+    p->seen_ms[i] = now_ms();
+    return 1;
+}
+
+/* A fenced chunk waits for every earlier chunk to its peer. */
+static int postable(hep_proxy *p, int i)
+{
+    const hep_proxy_chunk *c = &p->chunks[i];
+    if (p->posted[i] || !ready_at(p, i))
+        return 0;
+    if (c->fence)
+        for (int k = 0; k < i; k++)
+            if (!p->posted[k] && p->chunks[k].peer == c->peer)
+                return 0;
+    return 1;
 }
 
 /* Post chunk i, extended over the following ready, contiguous chunks of the same peer. */
@@ -55,8 +101,8 @@ static void post_run(hep_proxy *p, int i)
     while (last + 1 < p->n && !p->posted[last + 1]) {
         hep_proxy_chunk *x = &p->chunks[last], *y = &p->chunks[last + 1];
         if (y->peer != c->peer || y->lkey != c->lkey || y->rkey != c->rkey || x->len == 0 ||
-            y->len == 0 || x->laddr + x->len != y->laddr || x->raddr + x->len != y->raddr ||
-            !ready(y, p->epoch))
+            y->fence || !ready_at(p, last + 1) || y->len == 0 ||
+            x->laddr + x->len != y->laddr || x->raddr + x->len != y->raddr)
             break;
         len += y->len;
         last++;
@@ -75,7 +121,7 @@ static void post_run(hep_proxy *p, int i)
         if (!f->flag)
             continue;
         rc = net->v->write(net, f->peer, f->flag_lkey, f->flag_laddr, f->flag_rkey,
-                           f->flag_raddr, sizeof(uint64_t), (uint64_t)k);
+                           f->flag_raddr, sizeof(uint64_t), FLAG_WR + (uint64_t)k);
         if (rc == HEP_OK) {
             p->stats[f->peer].flag_wrs++;
             p->outstanding++;
@@ -98,7 +144,7 @@ static int step(hep_proxy *p)
     hep_net_completion done[32];
     int did = 0, n;
     for (int i = 0; i < p->n && !p->rc; i++)
-        if (!p->posted[i] && ready(&p->chunks[i], p->epoch)) {
+        if (postable(p, i)) {
             post_run(p, i);
             did = 1;
         }
@@ -108,7 +154,17 @@ static int step(hep_proxy *p)
         p->outstanding = 0;
     }
     for (int k = 0; k < n; k++) {
+        uint64_t id = done[k].wr_id;
         p->outstanding--;
+        if (id >= FLAG_WR && id - FLAG_WR < (uint64_t)p->n) { /* a flag write completed */
+            const hep_proxy_chunk *c = &p->chunks[id - FLAG_WR];
+            hep_proxy_peer_stats *s = &p->stats[c->peer];
+            double ns = (now_ms() - p->seen_ms[id - FLAG_WR]) * 1e6;
+            s->flags_done++;
+            s->ready_to_flag_ns += (uint64_t)ns;
+            if ((uint64_t)ns > s->ready_to_flag_max_ns)
+                s->ready_to_flag_max_ns = (uint64_t)ns;
+        }
         if (done[k].status) {
             char m[1024];
             snprintf(m, sizeof(m), "proxy of rank %d: a write to rank %d failed: %s",
@@ -194,9 +250,13 @@ int hep_proxy_submit(hep_proxy *p, const hep_proxy_chunk *chunks, int n, uint64_
                           chunks[i].peer);
     free(p->chunks);
     free(p->posted);
+    free(p->resolved);
+    free(p->seen_ms);
     p->chunks = rc ? NULL : malloc(sizeof(*chunks) * (size_t)(n ? n : 1));
     p->posted = rc ? NULL : calloc((size_t)(n ? n : 1), 1);
-    if (!rc && (!p->chunks || !p->posted))
+    p->resolved = rc ? NULL : calloc((size_t)(n ? n : 1), 1);
+    p->seen_ms = rc ? NULL : calloc((size_t)(n ? n : 1), sizeof(double));
+    if (!rc && (!p->chunks || !p->posted || !p->resolved || !p->seen_ms))
         rc = hep_fail(HEP_ERR_NOMEM, "proxy: out of memory");
     if (!rc) {
         memcpy(p->chunks, chunks, sizeof(*chunks) * (size_t)n);
@@ -245,6 +305,8 @@ void hep_proxy_destroy(hep_proxy *p)
     pthread_cond_destroy(&p->cond);
     free(p->chunks);
     free(p->posted);
+    free(p->resolved);
+    free(p->seen_ms);
     free(p->stats);
     free(p);
 }

@@ -29,12 +29,23 @@ typedef struct hep_proxy_chunk {
                                        when it is registered), and where it goes */
     uint64_t flag_laddr, flag_raddr;
     const char *name;               /* buffer name, for messages */
+    /* A chunk whose extent the producer decides: when desc is set, desc[0] and desc[1]
+     * (read once the chunk is ready) are the first unit and the number of units, so the
+     * write is [laddr + first * unit, + count * unit) to raddr + first * unit; `len` is
+     * then the most it may cover (more is refused as the producer's error). */
+    const volatile uint64_t *desc;
+    size_t unit;
+    int fence;                      /* 1: posted only after every earlier chunk of the batch
+                                       to the same peer (a slot's flag after all its data) */
 } hep_proxy_chunk;
 
 typedef struct hep_proxy_peer_stats {
     uint64_t bytes;     /* data bytes posted (flags not counted) */
     uint64_t data_wrs;  /* data work requests posted */
     uint64_t flag_wrs;  /* flag work requests posted */
+    uint64_t flags_done;/* flag writes completed, and for them the time from the chunk
+                           seen ready to its flag's completion (sum and largest, ns) */
+    uint64_t ready_to_flag_ns, ready_to_flag_max_ns;
 } hep_proxy_peer_stats;
 
 typedef struct hep_proxy hep_proxy;
