@@ -17,7 +17,7 @@ check() { # name, then a command that must succeed
     fi
 }
 plan_ep64() { "$H" plan --nodes 8 --ranks-per-node 8 --hidden 7168 --tokens 4096 \
-    --experts-per-rank 4 --topk 8 --dtype bf16 | grep -q "total device memory per rank: 4653711360 bytes"; }
+    --experts-per-rank 4 --topk 8 --dtype bf16 | grep -q "total device memory per rank: 4596695040 bytes"; }
 plan_json() { "$H" plan --nodes 2 --ranks-per-node 4 --dtype fp8 --json |
     python3 -c 'import json,sys; d=json.load(sys.stdin); n=[b for b in d["buffers"] if b["rdma_registered"]]; sys.exit(0 if len(n)==14 else 1)'; }
 plan_rejects_fp8_hidden() { "$H" plan --dtype fp8 --hidden 7000 >/tmp/hep_rej_$$ 2>&1; rc=$?; grep -q "multiple of 128" /tmp/hep_rej_$$ && test $rc -eq 1; }
@@ -29,7 +29,7 @@ bench_host_runs_and_says_so() { "$H" bench --backend host --ranks-per-node 4 --t
     --hidden 256 --experts-per-rank 2 --topk 2 | grep -q "HOST backend (no GPU)"; }
 bench_host_two_nodes_runs() { "$H" bench --backend host --nodes 2 --ranks-per-node 2 \
     --tokens 32 --hidden 256 --experts-per-rank 2 --topk 2 | grep -q "2 node(s) x 2, loopback NIC"; }
-bench_gpu_nodes_refused_clearly() { "$H" bench --backend gpu --nodes 2 2>&1 | grep -q "not available"; }
+bench_rejects_zero_nodes() { "$H" bench --nodes 0 >/tmp/hep_nodes_$$ 2>&1; rc=$?; grep -q "nodes must be >= 1" /tmp/hep_nodes_$$ && test $rc -eq 2; }
 bench_rejects_bad_dtype() { "$H" bench --dtype int4; test $? -eq 2; }
 check plan_ep64 plan_ep64
 check plan_json_lists_14_rdma_buffers plan_json
@@ -41,7 +41,7 @@ check doctor_json_is_one_document doctor_json_is_one_document
 check bench_host_runs_and_says_so bench_host_runs_and_says_so
 check bench_rejects_bad_dtype bench_rejects_bad_dtype
 check bench_host_two_nodes_runs bench_host_two_nodes_runs
-check bench_gpu_nodes_refused_clearly bench_gpu_nodes_refused_clearly
+check bench_rejects_zero_nodes bench_rejects_zero_nodes
 rm -f /tmp/hep_cli_$$
 echo "$pass passed, $fail failed"
 test "$fail" -eq 0

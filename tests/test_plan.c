@@ -24,7 +24,8 @@ static void plan_single_node_bf16_sizes(void **state)
     assert_int_equal(p.buf[HEP_BUF_TOKEN_X].bytes, 256 * 1024 * 2);
     assert_int_equal(p.buf[HEP_BUF_RECV_PROB].bytes, 256 * 4 * 4);
     assert_false(p.buf[HEP_BUF_RECV_SCALE].present);
-    assert_int_equal(p.buf[HEP_BUF_HANDLE_ROWS].bytes, 64 * 4 * 4);
+    /* positions at the 4 ranks, slot positions at the 1 node, 132 blocks' node counts */
+    assert_int_equal(p.buf[HEP_BUF_HANDLE_ROWS].bytes, (64 * 4 + 64 * 1 + 132 * 1) * 4);
     assert_int_equal(p.buf[HEP_BUF_COUNTS].bytes, 2 * 4 * 5 * 4);
     for (int i = HEP_FIRST_RDMA_BUF; i < HEP_BUF_COUNT; i++)
         assert_false(p.buf[i].present);
@@ -66,8 +67,8 @@ static void plan_two_nodes_lists_all_fourteen_rdma_buffers(void **state)
     assert_string_equal(p.buf[HEP_BUF_D_ATTN_TOKEN].name, "dispatch.attn_input_token");
     assert_string_equal(p.buf[HEP_BUF_C_OUT_FLAGS].name, "combine.attn_output_flags");
     assert_int_equal(p.max_recv_rows, 800);
-    /* one slot of T rows per other node; FP8 tokens are H bytes */
-    assert_int_equal(p.buf[HEP_BUF_D_ATTN_TOKEN].bytes, 100 * 512);
+    /* one slot of T rows per other node, to send and to receive; FP8 tokens are H bytes */
+    assert_int_equal(p.buf[HEP_BUF_D_ATTN_TOKEN].bytes, 1 * 100 * 512);
     assert_int_equal(p.buf[HEP_BUF_D_GROUP_TOKEN].bytes, 1 * 100 * 512);
     assert_int_equal(p.buf[HEP_BUF_C_GROUP_TOKEN].bytes, 1 * 100 * 512 * 2);
     /* each token's routing travels (K ids, K weights); (count, flag) per node, then 4
@@ -79,6 +80,9 @@ static void plan_two_nodes_lists_all_fourteen_rdma_buffers(void **state)
     /* FP8 dispatch slots live inside the BF16 partial-sum slots */
     assert_int_equal(p.buf[HEP_BUF_D_GROUP_TOKEN].alias_of, HEP_BUF_C_RED_TOKEN);
     assert_int_equal(p.buf[HEP_BUF_D_GROUP_TOKEN].offset, p.buf[HEP_BUF_C_RED_TOKEN].offset);
+    /* the send staging lives in the combine receive slots (never live at once) */
+    assert_int_equal(p.buf[HEP_BUF_D_ATTN_TOKEN].alias_of, HEP_BUF_C_GROUP_TOKEN);
+    assert_int_equal(p.buf[HEP_BUF_D_ATTN_TOKEN].offset, p.buf[HEP_BUF_C_GROUP_TOKEN].offset);
 }
 
 static void plan_ep64_fits_the_stated_budget(void **state)

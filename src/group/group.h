@@ -2,6 +2,7 @@
 #ifndef HEP_GROUP_H
 #define HEP_GROUP_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "hybridep/hybridep.h"
@@ -53,9 +54,21 @@ void hep_ep_teardown(hep_group *g);
 /* ref/host_backend.c: the host backend's halves of dispatch and combine */
 int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *out);
 int hep_host_combine(hep_group *g, const hep_combine_args *a);
-/* ref/host_internode.c: the same across nodes, through the coordinator's NIC and the proxy */
-int hep_host_dispatch_internode(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *o);
-int hep_host_combine_internode(hep_group *g, const hep_combine_args *a);
+/* group/wire.c: the proxy's chunks (net/proxy.h) of the inter-node path */
+struct hep_proxy_chunk;
+int hep_slot_of(int node, int at_node); /* index of `node`'s slot at a rank of `at_node` */
+/* Buffer lid (+loff) of this rank to buffer rid (+roff) of `peer`, when *ready >= epoch. */
+struct hep_proxy_chunk hep_wire_chunk(const hep_group *g, int peer, int lid, size_t loff,
+                                      int rid, size_t roff, size_t len,
+                                      const volatile uint64_t *ready);
+/* A slot's count (word lword of buffer lid -> word rword of rid), then its flag (words
+ * N + lword -> N + rword), after all of the batch's earlier chunks to that peer. */
+struct hep_proxy_chunk hep_wire_count_then_flag(const hep_group *g, int peer, int lid, int rid,
+                                                int lword, int rword,
+                                                const volatile uint64_t *ready);
+/* The GPU path's batch for phase 0 (dispatch) or 1 (combine) with S blocks; `ch` holds
+ * (N - 1) x (4 S + 1). Returns the number of chunks. */
+int hep_wire_gpu_batch(const hep_group *g, int phase, int S, struct hep_proxy_chunk *ch);
 
 int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda_device,
                         const hep_group_hooks *hooks, hep_group **out);

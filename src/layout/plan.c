@@ -144,17 +144,19 @@ static void plan_internode(plan_ctx *x, const hep_config *c, size_t esize, size_
     const char *tok = c->dtype == HEP_DTYPE_FP8_E4M3 ? "fp8" : "bf16";
     int fp8 = c->dtype == HEP_DTYPE_FP8_E4M3;
 
-    add(x, HEP_BUF_D_ATTN_TOKEN, "dispatch.attn_input_token", "dispatch", tok, esize, T * H,
-        HEP_ARENA_LOCAL, 1);
+    /* The send staging: for each other node, its tokens packed in source order (the slot
+     * layout of the receiver), so that each buffer goes out in one large write per node. */
+    add(x, HEP_BUF_D_ATTN_TOKEN, "dispatch.attn_input_token", "dispatch", tok, esize,
+        mul3(x, slots, H, 1), HEP_ARENA_LOCAL, 1);
     add(x, HEP_BUF_D_ATTN_FLAGS, "dispatch.attn_input_flags", "dispatch", "u64", 8, fw,
         HEP_ARENA_LOCAL, 1);
     /* the routing travels instead of the node's E_node probabilities: 2K words per token
      * are fewer bytes, and the peer derives every local rank's probabilities from them */
     add(x, HEP_BUF_D_ATTN_PROB, "dispatch.attn_input_prob", "dispatch", "i32+f32", 4,
-        T * route, HEP_ARENA_LOCAL, 1);
+        mul3(x, slots, route, 1), HEP_ARENA_LOCAL, 1);
     if (fp8)
         add(x, HEP_BUF_D_ATTN_SCALE, "dispatch.attn_input_scaling_factor", "dispatch", "f32", 4,
-            T * nscale, HEP_ARENA_LOCAL, 1);
+            mul3(x, slots, nscale, 1), HEP_ARENA_LOCAL, 1);
     add(x, HEP_BUF_D_GROUP_TOKEN, "dispatch.rdma_inter_node_group_token", "dispatch", tok, esize,
         mul3(x, slots, H, 1), HEP_ARENA_LOCAL, 1);
     add(x, HEP_BUF_D_GROUP_FLAGS, "dispatch.rdma_inter_node_group_flags", "dispatch", "u64", 8,
@@ -178,6 +180,10 @@ static void plan_internode(plan_ctx *x, const hep_config *c, size_t esize, size_
         mul3(x, slots, Enode, 1), HEP_ARENA_LOCAL, 1);
     add(x, HEP_BUF_C_OUT_FLAGS, "combine.attn_output_flags", "combine", "u64", 8, fw,
         HEP_ARENA_LOCAL, 1);
+    /* The send staging is read (by the NIC) during dispatch only; the combine receive
+     * slots are written (by the peers) during combine only, and slot j of both is node j's:
+     * peer j writes its partial sums only after it received all of slot j. */
+    p->buf[HEP_BUF_D_ATTN_TOKEN].alias_of = HEP_BUF_C_GROUP_TOKEN;
     if (esize == 2)
         p->buf[HEP_BUF_C_RED_TOKEN].alias_of = HEP_BUF_D_GROUP_TOKEN;
     else /* FP8 dispatch slots are half the size of BF16 partial sums: the reverse alias */
@@ -227,7 +233,11 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
         HEP_ARENA_SHARED, 0);
     add(&x, HEP_BUF_FLAGS, "sync.flags", "both", "u64", 8, p->flag_words, HEP_ARENA_SHARED, 0);
     add(&x, HEP_BUF_MAILBOX, "sync.mailbox", "both", "u64", 8, 16, HEP_ARENA_SHARED, 0);
-    add(&x, HEP_BUF_HANDLE_ROWS, "handle.dest_rows", "both", "i32", 4, mul3(&x, T, W, 1),
+    /* [node][T][R] position at each node-mate of the tokens this rank forwards (its own,
+     * then those received from each other node), then [T][N] each own token's position in
+     * the slot of each node, then [132][N] per-block node counts */
+    add(&x, HEP_BUF_HANDLE_ROWS, "handle.dest_rows", "both", "i32", 4,
+        mul3(&x, T, W, 1) + mul3(&x, T, (size_t)nodes, 1) + 132 * (size_t)nodes,
         HEP_ARENA_LOCAL, 0);
     add(&x, HEP_BUF_HANDLE_META, "handle.meta", "both", "i32", 4, 4 * W + El + 16,
         HEP_ARENA_LOCAL, 0);
@@ -237,8 +247,8 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
     add(&x, HEP_BUF_HOST_COUNTS, "host.recv_counts", "dispatch", "i32", 4, El + 1,
         HEP_ARENA_PINNED, 0);
     if (nodes > 1) {
-        add(&x, HEP_BUF_PROXY, "proxy.ready_counters", "both", "u64", 8, 64 * W, HEP_ARENA_MAPPED,
-            0);
+        add(&x, HEP_BUF_PROXY, "proxy.ready_counters", "both", "u64", 8,
+            2 * (size_t)nodes * HEP_PX_NODE_WORDS, HEP_ARENA_MAPPED, 0);
         plan_internode(&x, c, esize, nscale);
     }
     place(&x);

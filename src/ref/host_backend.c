@@ -52,10 +52,6 @@ static char *mate_local(hep_group *g, int l, int id)
 {
     return (char *)(uintptr_t)mailbox_of(g, l)[HEP_MB_LOCAL] + g->plan.buf[id].offset;
 }
-static int slot_of(int src_node, int at_node)
-{
-    return src_node < at_node ? src_node : src_node - 1;
-}
 
 static long long id_at(const view *v, int i, int k)
 {
@@ -110,43 +106,6 @@ static int wait_mates(hep_group *g, int word, uint64_t e, const char *what)
             return rc;
     }
     return HEP_OK;
-}
-
-/* A proxy chunk from this rank's buffer lid (+loff) to the peer's buffer rid (+roff). */
-static hep_proxy_chunk chunk(hep_group *g, int peer, int lid, size_t loff, int rid, size_t roff,
-                             size_t len, const volatile uint64_t *ready)
-{
-    const hep_coord *c = g->coord;
-    const hep_gpu_mr *m = &c->mr[lid - HEP_FIRST_RDMA_BUF];
-    const hep_remote_buf *r = &c->remote[(size_t)peer * HEP_RDMA_BUF_COUNT +
-                                         (size_t)(rid - HEP_FIRST_RDMA_BUF)];
-    hep_proxy_chunk k;
-    memset(&k, 0, sizeof(k));
-    k.ready = ready;
-    k.peer = peer;
-    k.lkey = m->lkey;
-    k.laddr = m->addr + loff;
-    k.rkey = r->rkey;
-    k.raddr = r->addr + roff;
-    k.len = len;
-    k.name = g->plan.buf[lid].name;
-    return k;
-}
-
-/* The count of a slot (data write), then its flag (the chunk's flag write): count words
- * at [0, N), flag words at [N, 2N) of a flags buffer. */
-static hep_proxy_chunk count_then_flag(hep_group *g, int peer, int lid, int rid, int lword,
-                                       int rword, const volatile uint64_t *ready)
-{
-    hep_proxy_chunk k = chunk(g, peer, lid, (size_t)lword * 8, rid, (size_t)rword * 8, 8, ready);
-    const hep_proxy_chunk f = chunk(g, peer, lid, (size_t)(g->N + lword) * 8, rid,
-                                    (size_t)(g->N + rword) * 8, 8, ready);
-    k.flag = 1;
-    k.flag_lkey = f.lkey;
-    k.flag_laddr = f.laddr;
-    k.flag_rkey = f.rkey;
-    k.flag_raddr = f.raddr;
-    return k;
 }
 
 static int first_invalid(const hep_group *g, const view *v, int *tok, int *slot, long long *val)
@@ -207,7 +166,7 @@ static void slot_view(hep_group *g, int l, int ns, view *v)
 {
     const size_t T = (size_t)g->cfg.max_tokens, H = (size_t)g->cfg.hidden;
     const size_t rb = H * (g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2);
-    const int kmax = g->cfg.max_topk, s = slot_of(ns, g->node);
+    const int kmax = g->cfg.max_topk, s = hep_slot_of(ns, g->node);
     const uint64_t *fl = (const uint64_t *)mate_local(g, l, HEP_BUF_D_GROUP_FLAGS);
     const char *route = mate_local(g, l, HEP_BUF_D_GROUP_PROB) + (size_t)s * T * 2 * (size_t)kmax * 4;
     memset(v, 0, sizeof(*v));
@@ -222,66 +181,65 @@ static void slot_view(hep_group *g, int l, int ns, view *v)
                     (size_t)s * T * (H / HEP_FP8_BLOCK);
 }
 
-/* Stage this rank's tokens, routing and scales; send each remote node what it needs. */
+/* Pack, for every other node, the tokens it needs (with their routing and scales) into
+ * that node's send slot, in source order: the receiver's slot layout, so each buffer goes
+ * out in one write per node; then the slot's count and flag. */
 static int send_dispatch(hep_group *g, const hep_dispatch_args *a, uint64_t e)
 {
     const size_t T = (size_t)g->cfg.max_tokens, H = (size_t)g->cfg.hidden;
     const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3, kmax = g->cfg.max_topk;
-    const size_t rb = H * (fp8 ? 1 : 2), ns = H / HEP_FP8_BLOCK;
+    const size_t rb = H * (fp8 ? 1 : 2), ns = H / HEP_FP8_BLOCK, rw = (size_t)kmax * 4;
     char *tok = hep_my_buf(g, HEP_BUF_D_ATTN_TOKEN);
-    int *ids = (int *)hep_my_buf(g, HEP_BUF_D_ATTN_PROB);
-    float *w = (float *)(ids + T * (size_t)kmax);
+    char *route = hep_my_buf(g, HEP_BUF_D_ATTN_PROB);
+    char *scale = fp8 ? hep_my_buf(g, HEP_BUF_D_ATTN_SCALE) : NULL;
     uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_D_ATTN_FLAGS);
-    view mine;
     hep_proxy_chunk *ch;
+    view mine;
     int n = 0, rc;
     if (g->N == 1)
         return HEP_OK; /* one node: nothing crosses a network */
-    own_view(g, g->local, &mine);
-    memcpy(tok, a->tokens, rb * (size_t)a->num_tokens);
-    if (fp8)
-        memcpy(hep_my_buf(g, HEP_BUF_D_ATTN_SCALE), a->scales,
-               ns * 4 * (size_t)a->num_tokens);
-    for (int i = 0; i < a->num_tokens; i++)
-        for (int k = 0; k < kmax; k++) {
-            ids[(size_t)i * kmax + k] = k < a->topk ? (int)id_at(&mine, i, k) : -1;
-            w[(size_t)i * kmax + k] = k < a->topk ? w_at(&mine, i, k) : 0.f;
-        }
-    ch = malloc(sizeof(*ch) * ((size_t)a->num_tokens * 4 + 1) * (size_t)g->N);
+    ch = malloc(sizeof(*ch) * 5 * (size_t)g->N);
     if (!ch)
         return hep_fail(HEP_ERR_NOMEM, "dispatch: out of memory");
+    own_view(g, g->local, &mine);
     for (int m = 0; m < g->N; m++) {
-        int peer = m * g->R + g->local, s = slot_of(g->node, m), k = 0;
+        const int peer = m * g->R + g->local, j = hep_slot_of(m, g->node), s = hep_slot_of(g->node, m);
         const volatile uint64_t *ready = words + g->N + m;
+        size_t k = 0;
         if (m == g->node)
             continue;
-        /* one pass per buffer, so that adjacent rows go out as one write */
-        for (int kind = 0; kind < (fp8 ? 4 : 3); kind++) {
-            k = 0;
-            for (int i = 0; i < a->num_tokens; i++) {
-                if (!needs_node(g, &mine, i, m))
-                    continue;
-                if (kind == 0)
-                    ch[n++] = chunk(g, peer, HEP_BUF_D_ATTN_TOKEN, (size_t)i * rb,
-                                    HEP_BUF_D_GROUP_TOKEN, ((size_t)s * T + (size_t)k) * rb, rb,
-                                    ready);
-                else if (kind == 3)
-                    ch[n++] = chunk(g, peer, HEP_BUF_D_ATTN_SCALE, (size_t)i * ns * 4,
-                                    HEP_BUF_D_GROUP_SCALE, ((size_t)s * T + (size_t)k) * ns * 4,
-                                    ns * 4, ready);
-                else /* 1: ids, 2: weights */
-                    ch[n++] = chunk(g, peer, HEP_BUF_D_ATTN_PROB,
-                                    ((size_t)(kind - 1) * T + (size_t)i) * (size_t)kmax * 4,
-                                    HEP_BUF_D_GROUP_PROB,
-                                    ((size_t)s * 2 * T + (size_t)(kind - 1) * T + (size_t)k) *
-                                        (size_t)kmax * 4,
-                                    (size_t)kmax * 4, ready);
-                k++;
+        for (int i = 0; i < a->num_tokens; i++) {
+            int *ids;
+            float *w;
+            if (!needs_node(g, &mine, i, m))
+                continue;
+            memcpy(tok + ((size_t)j * T + k) * rb, (const char *)a->tokens + (size_t)i * rb, rb);
+            if (fp8)
+                memcpy(scale + ((size_t)j * T + k) * ns * 4, a->scales + (size_t)i * ns, ns * 4);
+            ids = (int *)(route + ((size_t)j * 2 * T + k) * rw);
+            w = (float *)(route + ((size_t)j * 2 * T + T + k) * rw);
+            for (int q = 0; q < kmax; q++) {
+                long long x = q < a->topk ? id_at(&mine, i, q) : -1;
+                /* an invalid id (reported by this rank) travels as an unused slot */
+                ids[q] = x >= 0 && x < (long long)g->cfg.experts_per_rank * g->world ? (int)x : -1;
+                w[q] = q < a->topk ? w_at(&mine, i, q) : 0.f;
             }
+            k++;
+        }
+        if (k) {
+            ch[n++] = hep_wire_chunk(g, peer, HEP_BUF_D_ATTN_TOKEN, (size_t)j * T * rb,
+                            HEP_BUF_D_GROUP_TOKEN, (size_t)s * T * rb, k * rb, ready);
+            ch[n++] = hep_wire_chunk(g, peer, HEP_BUF_D_ATTN_PROB, (size_t)j * 2 * T * rw,
+                            HEP_BUF_D_GROUP_PROB, (size_t)s * 2 * T * rw, k * rw, ready);
+            ch[n++] = hep_wire_chunk(g, peer, HEP_BUF_D_ATTN_PROB, ((size_t)j * 2 * T + T) * rw,
+                            HEP_BUF_D_GROUP_PROB, ((size_t)s * 2 * T + T) * rw, k * rw, ready);
+            if (fp8)
+                ch[n++] = hep_wire_chunk(g, peer, HEP_BUF_D_ATTN_SCALE, (size_t)j * T * ns * 4,
+                                HEP_BUF_D_GROUP_SCALE, (size_t)s * T * ns * 4, k * ns * 4, ready);
         }
         words[m] = (uint64_t)k;
         __atomic_store_n(&words[g->N + m], e, __ATOMIC_RELEASE); /* ready = the flag value */
-        ch[n++] = count_then_flag(g, peer, HEP_BUF_D_ATTN_FLAGS, HEP_BUF_D_GROUP_FLAGS, m, s,
+        ch[n++] = hep_wire_count_then_flag(g, peer, HEP_BUF_D_ATTN_FLAGS, HEP_BUF_D_GROUP_FLAGS, m, s,
                                   ready);
     }
     rc = hep_proxy_submit(g->proxy, ch, n, e);
@@ -321,7 +279,7 @@ int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_res
                 own_view(g, l, &v);
             } else {
                 const uint64_t *fl = (const uint64_t *)mate_local(g, l, HEP_BUF_D_GROUP_FLAGS);
-                rc = wait_ge(g, (volatile uint64_t *)&fl[g->N + slot_of(ns, g->node)], e,
+                rc = wait_ge(g, (volatile uint64_t *)&fl[g->N + hep_slot_of(ns, g->node)], e,
                              ns * g->R + l, "its dispatch rows");
                 slot_view(g, l, ns, &v);
             }
@@ -415,7 +373,7 @@ int hep_host_combine(hep_group *g, const hep_combine_args *a)
     rc = wait_mates(g, HEP_FLAG_COMBINE_READY, e, "its expert outputs");
     /* 1. as the peer of every other node: its tokens' partial sums over this node */
     for (int m = 0; rc == HEP_OK && m < g->N; m++) {
-        int src = m * g->R + g->local, s = slot_of(m, g->node);
+        int src = m * g->R + g->local, s = hep_slot_of(m, g->node);
         view v;
         if (m == g->node)
             continue;
@@ -430,11 +388,11 @@ int hep_host_combine(hep_group *g, const hep_combine_args *a)
         words[m] = (uint64_t)v.t;
         __atomic_store_n(&words[g->N + m], e, __ATOMIC_RELEASE);
         if (v.t)
-            ch[n++] = chunk(g, src, HEP_BUF_C_RED_TOKEN, (size_t)s * T * rb2, HEP_BUF_C_GROUP_TOKEN,
-                            (size_t)slot_of(g->node, m) * T * rb2, (size_t)v.t * rb2,
+            ch[n++] = hep_wire_chunk(g, src, HEP_BUF_C_RED_TOKEN, (size_t)s * T * rb2, HEP_BUF_C_GROUP_TOKEN,
+                            (size_t)hep_slot_of(g->node, m) * T * rb2, (size_t)v.t * rb2,
                             words + g->N + m);
-        ch[n++] = count_then_flag(g, src, HEP_BUF_C_OUT_FLAGS, HEP_BUF_C_GROUP_FLAGS, m,
-                                  slot_of(g->node, m), words + g->N + m);
+        ch[n++] = hep_wire_count_then_flag(g, src, HEP_BUF_C_OUT_FLAGS, HEP_BUF_C_GROUP_FLAGS, m,
+                                  hep_slot_of(g->node, m), words + g->N + m);
     }
     if (rc == HEP_OK && g->N > 1)
         rc = hep_proxy_submit(g->proxy, ch, n, e);
@@ -443,7 +401,7 @@ int hep_host_combine(hep_group *g, const hep_combine_args *a)
     /* 2. my tokens: my node's share, then the other nodes' partial sums in node order */
     for (int m = 0; rc == HEP_OK && m < g->N; m++)
         if (m != g->node)
-            rc = wait_ge(g, (volatile uint64_t *)&in[g->N + slot_of(m, g->node)], e,
+            rc = wait_ge(g, (volatile uint64_t *)&in[g->N + hep_slot_of(m, g->node)], e,
                          m * g->R + g->local, "its partial sums");
     own_view(g, g->local, &mine);
     memset(next, 0, sizeof(next));
@@ -455,7 +413,7 @@ int hep_host_combine(hep_group *g, const hep_combine_args *a)
             const uint16_t *p;
             if (m == g->node || !needs_node(g, &mine, i, m))
                 continue;
-            p = parts + ((size_t)slot_of(m, g->node) * T + (size_t)knode[m]++) * H;
+            p = parts + ((size_t)hep_slot_of(m, g->node) * T + (size_t)knode[m]++) * H;
             for (size_t c = 0; c < H; c++)
                 acc[c] += bf16_f32(p[c]);
         }

@@ -1,0 +1,105 @@
+/* group/wire.c: the work the CPU proxy does for one inter-node dispatch or combine, as
+ * chunks between this rank's registrations and the peers' (the wire protocol of
+ * docs/architecture.md). Slot j of a rank's inter-node buffers belongs to node
+ * j + (j >= its own node). */
+#include <string.h>
+
+#include "core/core.h"
+#include "group/group.h"
+#include "kernels/ep_kernels.h"
+#include "net/proxy.h"
+
+int hep_slot_of(int node, int at_node)
+{
+    return node < at_node ? node : node - 1;
+}
+
+hep_proxy_chunk hep_wire_chunk(const hep_group *g, int peer, int lid, size_t loff, int rid,
+                               size_t roff, size_t len, const volatile uint64_t *ready)
+{
+    const hep_coord *c = g->coord;
+    const hep_gpu_mr *m = &c->mr[lid - HEP_FIRST_RDMA_BUF];
+    const hep_remote_buf *r = &c->remote[(size_t)peer * HEP_RDMA_BUF_COUNT +
+                                         (size_t)(rid - HEP_FIRST_RDMA_BUF)];
+    hep_proxy_chunk k;
+    memset(&k, 0, sizeof(k));
+    k.ready = ready;
+    k.peer = peer;
+    k.lkey = m->lkey;
+    k.laddr = m->addr + loff;
+    k.rkey = r->rkey;
+    k.raddr = r->addr + roff;
+    k.len = len;
+    k.name = g->plan.buf[lid].name;
+    return k;
+}
+
+hep_proxy_chunk hep_wire_count_then_flag(const hep_group *g, int peer, int lid, int rid,
+                                         int lword, int rword, const volatile uint64_t *ready)
+{
+    hep_proxy_chunk k =
+        hep_wire_chunk(g, peer, lid, (size_t)lword * 8, rid, (size_t)rword * 8, 8, ready);
+    const hep_proxy_chunk f = hep_wire_chunk(g, peer, lid, (size_t)(g->N + lword) * 8, rid,
+                                             (size_t)(g->N + rword) * 8, 8, ready);
+    k.flag = 1;
+    k.fence = 1; /* after all of the slot's data */
+    k.flag_lkey = f.lkey;
+    k.flag_laddr = f.laddr;
+    k.flag_rkey = f.rkey;
+    k.flag_raddr = f.raddr;
+    return k;
+}
+
+/* The GPU path: S chunks per buffer and node, each block's rows as its descriptor says,
+ * then the slot's count and flag. */
+static int add_blocks(const hep_group *g, hep_proxy_chunk *ch, int n, int peer, int lid,
+                      size_t loff, int rid, size_t roff, size_t unit, const uint64_t *px, int S)
+{
+    for (int b = 0; b < S; b++) {
+        ch[n] = hep_wire_chunk(g, peer, lid, loff, rid, roff, (size_t)g->cfg.max_tokens * unit,
+                               px + 3 * b);
+        ch[n].desc = px + 3 * b + 1;
+        ch[n].unit = unit;
+        n++;
+    }
+    return n;
+}
+
+int hep_wire_gpu_batch(const hep_group *g, int phase, int S, hep_proxy_chunk *ch)
+{
+    const size_t T = (size_t)g->cfg.max_tokens, H = (size_t)g->cfg.hidden;
+    const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3;
+    const size_t rb = H * (fp8 ? 1 : 2), rw = (size_t)g->cfg.max_topk * 4;
+    const size_t sb = H / HEP_FP8_BLOCK * 4, rb2 = H * 2;
+    const uint64_t *px0 = (const uint64_t *)(g->arena[HEP_ARENA_MAPPED] +
+                                             g->plan.buf[HEP_BUF_PROXY].offset);
+    int n = 0;
+    for (int m = 0; m < g->N; m++) {
+        const int peer = m * g->R + g->local, j = hep_slot_of(m, g->node);
+        const int s = hep_slot_of(g->node, m);
+        const uint64_t *px = px0 + HEP_PX_WORD(g->N, phase, m);
+        if (m == g->node)
+            continue;
+        if (phase == 0) {
+            n = add_blocks(g, ch, n, peer, HEP_BUF_D_ATTN_TOKEN, j * T * rb, HEP_BUF_D_GROUP_TOKEN,
+                           s * T * rb, rb, px, S);
+            n = add_blocks(g, ch, n, peer, HEP_BUF_D_ATTN_PROB, j * 2 * T * rw,
+                           HEP_BUF_D_GROUP_PROB, s * 2 * T * rw, rw, px, S);
+            n = add_blocks(g, ch, n, peer, HEP_BUF_D_ATTN_PROB, (j * 2 * T + T) * rw,
+                           HEP_BUF_D_GROUP_PROB, (s * 2 * T + T) * rw, rw, px, S);
+            if (fp8)
+                n = add_blocks(g, ch, n, peer, HEP_BUF_D_ATTN_SCALE, j * T * sb,
+                               HEP_BUF_D_GROUP_SCALE, s * T * sb, sb, px, S);
+            ch[n++] = hep_wire_count_then_flag(g, peer, HEP_BUF_D_ATTN_FLAGS,
+                                               HEP_BUF_D_GROUP_FLAGS, m, s,
+                                               px + 3 * HEP_PX_MAX_BLOCKS);
+        } else {
+            n = add_blocks(g, ch, n, peer, HEP_BUF_C_RED_TOKEN, j * T * rb2,
+                           HEP_BUF_C_GROUP_TOKEN, s * T * rb2, rb2, px, S);
+            ch[n++] = hep_wire_count_then_flag(g, peer, HEP_BUF_C_OUT_FLAGS,
+                                               HEP_BUF_C_GROUP_FLAGS, m, s,
+                                               px + 3 * HEP_PX_MAX_BLOCKS);
+        }
+    }
+    return n;
+}
