@@ -161,6 +161,14 @@ void ep_case_random(ep_case *c, unsigned seed, int skew)
                 long long x = skew ? (long long)(u % 3 == 0 ? u % (unsigned)E
                                                             : u % (unsigned)c->cfg.experts_per_rank)
                                    : (long long)(u % (unsigned)E);
+                if (skew == EP_ROUTE_NODES) { /* by token: own node only, every node, or any */
+                    const int R = c->cfg.ranks_per_node ? c->cfg.ranks_per_node : c->world;
+                    const unsigned En = (unsigned)(c->cfg.experts_per_rank * R);
+                    const int mode = i % 3, nodes = c->world / R;
+                    x = mode == 0   ? (long long)(r / R) * En + u % En
+                        : mode == 1 ? (long long)(k % nodes) * En + u % En
+                                    : (long long)(u % (unsigned)E);
+                }
                 if (u % 11 == 0)
                     x = -1;
                 if (u % 17 == 0 && k > 0)

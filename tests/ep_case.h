@@ -42,7 +42,10 @@ typedef struct ep_case {
 /* Runs the case (host backend unless cfg says otherwise). */
 int ep_case_run(ep_case *c);
 void ep_case_free(ep_case *c);
-/* Random inputs: tokens in [0, T], K slots, some -1, some duplicates. */
+/* Random inputs: tokens in [0, T], K slots, some -1, some duplicates. skew 0: uniform;
+ * 1: two thirds of the slots on rank 0; EP_ROUTE_NODES: token i's experts are all on its
+ * own node (i % 3 == 0), on every node (slot k on node k % N; 1), or anywhere (2). */
+#define EP_ROUTE_NODES 2
 void ep_case_random(ep_case *c, unsigned seed, int skew);
 /* Checks every rank against the global oracle; returns the number of mismatches and
  * prints the first few. */

@@ -261,8 +261,12 @@ static int run_gpu_and_host(ep_case *c, const char *label)
     memset(h.out, 0, sizeof(h.out));
     h.cfg.backend = HEP_BACKEND_HOST;
     h.repeat = 1;
-    if (ep_case_run(&h))
-        return -1;
+    bad += ep_case_run(&h) != 0;
+    for (int r = 0; r < c->world; r++)
+        if (h.out[r].rc_dispatch || h.out[r].rc_combine) {
+            print_message("%s: host backend, rank %d: %s\n", label, r, h.out[r].err);
+            return -1;
+        }
     for (int r = 0; r < c->world; r++) {
         const ep_rank_out *a = &c->out[r], *b = &h.out[r];
         size_t rb = (size_t)c->cfg.hidden * esz(c);
@@ -323,6 +327,31 @@ static void one_case(int R, hep_dtype dt, int skew, int index64, int zero_copy, 
     ep_case_free(&c);
 }
 
+/* N virtual nodes x R ranks on the one GPU, over the loopback NIC with real DMA-BUF
+ * registrations, against the host backend (its own wire protocol run) and the oracle. */
+static void node_case(int N, int R, hep_dtype dt, int index64, int tmode, unsigned seed, int H,
+                      int T)
+{
+    static ep_case c;
+    char label[160];
+    memset(&c, 0, sizeof(c));
+    c.cfg = gcfg(H, T, 4, 8, dt, R);
+    c.cfg.dispatch_sms = c.cfg.combine_sms = 128 / (N * R) > 16 ? 16 : 128 / (N * R);
+    c.world = N * R;
+    c.K = 8;
+    c.index64 = index64;
+    c.skip_rank = -1;
+    c.repeat = 2;
+    c.has_t_fixed = tmode >= 0;
+    c.t_fixed = tmode == 1 ? T : 0;
+    ep_case_random(&c, seed, EP_ROUTE_NODES);
+    snprintf(label, sizeof(label), "%d nodes x %d ranks %s %s t=%s H=%d T=%d seed=%u", N, R,
+             dt == HEP_DTYPE_FP8_E4M3 ? "fp8" : "bf16", index64 ? "int64" : "int32",
+             tmode < 0 ? "random" : tmode ? "T" : "0", H, T, seed);
+    assert_int_equal(run_gpu_and_host(&c, label), 0);
+    ep_case_free(&c);
+}
+
 static unsigned fresh_seed(void)
 {
     return (unsigned)time(NULL) ^ (unsigned)getpid() * 2654435761u;
@@ -347,6 +376,30 @@ static void gpu_kernels_match_host_backend_across_ranks_dtypes_and_routing(void 
         one_case(R, HEP_DTYPE_FP8_E4M3, 1, 0, 0, 0, seed + 30u + (unsigned)R, 2048, 64); /* t = 0 */
     }
     one_case(8, HEP_DTYPE_BF16, 0, 0, 1, 1, seed + 99u, 7168, 4096); /* the bench size */
+}
+
+static void gpu_virtual_nodes_match_host_backend_over_loopback_nic_with_dmabuf(void **state)
+{
+    unsigned seed = fresh_seed() ^ 0x5bd1e995u;
+    (void)state;
+    if (!have_gpu())
+        skip();
+    print_message("fresh seed %u\n", seed);
+    setenv("HEP_GPU_MR_MODE", "dmabuf", 1); /* the real export feeds the loopback NIC */
+    hep_env_reload();
+    if (small_only()) {
+        node_case(2, 2, HEP_DTYPE_BF16, 0, -1, seed, 256, 32);
+        node_case(2, 1, HEP_DTYPE_FP8_E4M3, 1, -1, seed + 1, 256, 32);
+    } else {
+        node_case(2, 4, HEP_DTYPE_BF16, 0, -1, seed, 7168, 512);
+        node_case(2, 4, HEP_DTYPE_FP8_E4M3, 1, -1, seed + 1, 7168, 512);
+        node_case(4, 2, HEP_DTYPE_BF16, 1, 1, seed + 2, 4096, 256); /* t = T */
+        node_case(4, 2, HEP_DTYPE_FP8_E4M3, 0, -1, seed + 3, 7168, 512);
+        node_case(4, 2, HEP_DTYPE_BF16, 0, 0, seed + 4, 1024, 64); /* t = 0 */
+        node_case(2, 4, HEP_DTYPE_BF16, 0, 1, seed + 5, 7168, 4096); /* the bench size */
+    }
+    unsetenv("HEP_GPU_MR_MODE");
+    hep_env_reload();
 }
 
 static void gpu_graph_replay_gives_the_eager_results(void **state)
@@ -568,6 +621,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(gpu_kernels_match_host_backend_across_ranks_dtypes_and_routing),
+        cmocka_unit_test(gpu_virtual_nodes_match_host_backend_over_loopback_nic_with_dmabuf),
         cmocka_unit_test(gpu_graph_replay_gives_the_eager_results),
         cmocka_unit_test(gpu_dispatch_times_out_naming_the_rank_that_never_called),
         cmocka_unit_test(gpu_real_dmabuf_export_of_odd_sizes_covers_enclosing_pages),

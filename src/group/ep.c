@@ -13,10 +13,12 @@
 
 static const char *stage_name(int s)
 {
-    return s == HEP_STAGE_PREPROCESS ? "dispatch layout (routing counts)"
-           : s == HEP_STAGE_DISPATCH ? "dispatch (rows arriving)"
-           : s == HEP_STAGE_COMBINE  ? "combine (expert outputs ready)"
-                                     : "?";
+    return s == HEP_STAGE_PREPROCESS       ? "dispatch layout (routing counts)"
+           : s == HEP_STAGE_DISPATCH        ? "dispatch (rows arriving)"
+           : s == HEP_STAGE_COMBINE         ? "combine (expert outputs ready)"
+           : s == HEP_STAGE_NODE_DISPATCH   ? "dispatch (another node's tokens over the network)"
+           : s == HEP_STAGE_NODE_COMBINE    ? "combine (another node's partial sums over the network)"
+                                            : "?";
 }
 
 int hep_ep_setup(hep_group *g)
@@ -35,7 +37,10 @@ int hep_ep_setup(hep_group *g)
     if (g->R > HEP_GPU_MAX_LOCAL)
         return hep_fail(HEP_ERR_INVALID, "the GPU kernels support up to %d ranks per node, not %d",
                         HEP_GPU_MAX_LOCAL, g->R);
-    if (hep_dispatch_smem(g->R, g->cfg.experts_per_rank) > 200 * 1024)
+    if (g->N > HEP_GPU_MAX_NODES)
+        return hep_fail(HEP_ERR_INVALID, "the GPU kernels support up to %d nodes, not %d",
+                        HEP_GPU_MAX_NODES, g->N);
+    if (hep_dispatch_smem(g->N, g->R, g->cfg.experts_per_rank) > 200 * 1024)
         return hep_fail(HEP_ERR_INVALID,
                         "ranks_per_node x (experts_per_rank + 1) = %d x %d counters exceed the "
                         "dispatch kernel's shared memory",
@@ -51,18 +56,48 @@ int hep_ep_setup(hep_group *g)
         return hep_fail(HEP_ERR_NOMEM, "group: out of memory");
     k->local = g->local;
     k->R = g->R;
+    k->node = g->node;
+    k->N = g->N;
+    k->T = g->cfg.max_tokens;
+    k->kmax = g->cfg.max_topk;
+    k->rank0 = g->node * g->R;
     k->H = g->cfg.hidden;
     k->El = g->cfg.experts_per_rank;
     k->esize = g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2;
     k->nscale = g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? g->cfg.hidden / HEP_FP8_BLOCK : 0;
     k->dest_rows = (int *)hep_my_buf(g, HEP_BUF_HANDLE_ROWS);
     k->meta = (int *)hep_my_buf(g, HEP_BUF_HANDLE_META);
-    /* meta: [0, R) bases; then the epoch (8-byte aligned), the count, tokens per expert */
-    k->epoch = (unsigned long long *)(k->meta + ((g->R + 1) & ~1));
+    /* meta: [0, N x R) bases; then the counters (8-byte aligned), the count, tokens per
+     * expert */
+    k->epoch = (unsigned long long *)(k->meta + ((g->world + 1) & ~1));
     k->grid_arrive = k->epoch + 1;
     k->layout_ready = k->epoch + 2;
-    k->recv_count = (int *)(k->epoch + 3);
+    k->pack_arrive = k->epoch + 3;
+    k->pack_done = k->epoch + 4;
+    k->combine_done = k->epoch + 5;
+    k->recv_count = (int *)(k->epoch + 6);
     k->tokens_per_expert = k->recv_count + 1;
+    k->node_pos = k->dest_rows + (size_t)g->cfg.max_tokens * (size_t)g->world;
+    k->node_blocks = k->node_pos + (size_t)g->cfg.max_tokens * (size_t)g->N;
+    if (g->N > 1) {
+        k->send_token = hep_my_buf(g, HEP_BUF_D_ATTN_TOKEN);
+        k->send_route = (int *)hep_my_buf(g, HEP_BUF_D_ATTN_PROB);
+        k->send_scale = g->plan.buf[HEP_BUF_D_ATTN_SCALE].present
+                            ? (float *)hep_my_buf(g, HEP_BUF_D_ATTN_SCALE)
+                            : NULL;
+        k->send_words = (unsigned long long *)hep_my_buf(g, HEP_BUF_D_ATTN_FLAGS);
+        k->slot_token = hep_my_buf(g, HEP_BUF_D_GROUP_TOKEN);
+        k->slot_route = (const int *)hep_my_buf(g, HEP_BUF_D_GROUP_PROB);
+        k->slot_scale = g->plan.buf[HEP_BUF_D_GROUP_SCALE].present
+                            ? (const float *)hep_my_buf(g, HEP_BUF_D_GROUP_SCALE)
+                            : NULL;
+        k->slot_words = (const unsigned long long *)hep_my_buf(g, HEP_BUF_D_GROUP_FLAGS);
+        k->red_token = hep_my_buf(g, HEP_BUF_C_RED_TOKEN);
+        k->red_words = (unsigned long long *)hep_my_buf(g, HEP_BUF_C_OUT_FLAGS);
+        k->part_token = hep_my_buf(g, HEP_BUF_C_GROUP_TOKEN);
+        k->part_words = (const unsigned long long *)hep_my_buf(g, HEP_BUF_C_GROUP_FLAGS);
+        k->px = (unsigned long long *)(g->mapped_dev + g->plan.buf[HEP_BUF_PROXY].offset);
+    }
     k->block_counts = (int *)hep_my_buf(g, HEP_BUF_HANDLE_BLOCKS);
     k->host_counts = (int *)hep_my_buf(g, HEP_BUF_HOST_COUNTS);
     k->diag = (hep_diag *)(g->mapped_dev + g->plan.buf[HEP_BUF_DIAG].offset);
@@ -76,6 +111,8 @@ int hep_ep_setup(hep_group *g)
         k->flags[l] = (unsigned long long *)hep_peer_buf(g, l, HEP_BUF_FLAGS);
     }
     g->kargs = k;
+    if (g->N > 1)
+        return hep_proxy_create(g->coord->net, &g->proxy);
     return HEP_OK;
 }
 
@@ -131,7 +168,7 @@ static int diag_status(hep_group *g, const char *call)
 {
     hep_diag *d = (hep_diag *)(g->arena[HEP_ARENA_MAPPED] + g->plan.buf[HEP_BUF_DIAG].offset);
     if (d->timeout_claimed) {
-        int peer = g->node * g->R + d->peer;
+        int peer = d->peer; /* a global rank */
         snprintf(g->broken_msg, sizeof(g->broken_msg),
                  "%s timed out on rank %d after %.0f ms (HEP_TIMEOUT_MS) in %s, block %d: waited "
                  "for rank %d, expected %llu, saw %llu: rank %d did not arrive",
@@ -159,15 +196,65 @@ static int cuda_status(cudaError_t e, const char *what)
     return hep_fail(HEP_ERR_CUDA, "%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
 }
 
+/* N > 1: the proxy's batch of the last call is done (0), or its error. */
+static int proxy_done(hep_group *g)
+{
+    int rc;
+    if (!g->proxy || g->cfg.backend != HEP_BACKEND_GPU)
+        return HEP_OK;
+    rc = hep_proxy_wait(g->proxy);
+    if (rc) {
+        snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", hep_last_error());
+        g->broken = 1;
+    }
+    return rc;
+}
+
 static int finish(hep_group *g, void *stream, unsigned flags, const char *call)
 {
     cudaError_t e;
+    int rc, prc;
     if (flags & HEP_ASYNC)
         return HEP_OK;
     e = cudaStreamSynchronize((cudaStream_t)stream);
     if (e != cudaSuccess)
         return cuda_status(e, call);
-    return diag_status(g, call);
+    rc = diag_status(g, call);
+    if (rc == HEP_ERR_TIMEOUT) { /* the kernel's record names who was missing: keep it */
+        char keep[1024];
+        snprintf(keep, sizeof(keep), "%s", hep_last_error());
+        (void)proxy_done(g);
+        snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", keep);
+        return hep_fail(HEP_ERR_TIMEOUT, "%s", keep);
+    }
+    prc = proxy_done(g);
+    return prc ? prc : rc;
+}
+
+/* N > 1 (GPU): hand the proxy this call's chunks; the kernels publish them as ready. */
+static int start_network(hep_group *g, int phase, int S, void *stream, uint64_t epoch)
+{
+    enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    hep_proxy_chunk *ch;
+    int n, rc;
+    cudaError_t e = cudaStreamIsCapturing((cudaStream_t)stream, &cs);
+    if (e != cudaSuccess)
+        return cuda_status(e, phase ? "hep_combine" : "hep_dispatch");
+    if (cs != cudaStreamCaptureStatusNone)
+        return hep_fail(HEP_ERR_UNAVAILABLE,
+                        "%s across %d nodes cannot be captured into a CUDA graph: the CPU proxy "
+                        "posts each call's network writes (capture works with one node)",
+                        phase ? "hep_combine" : "hep_dispatch", g->N);
+    rc = proxy_done(g); /* an asynchronous call's batch before this one */
+    if (rc)
+        return rc;
+    ch = malloc(sizeof(*ch) * (size_t)(g->N - 1) * (4 * (size_t)S + 1));
+    if (!ch)
+        return hep_fail(HEP_ERR_NOMEM, "%s: out of memory", phase ? "hep_combine" : "hep_dispatch");
+    n = hep_wire_gpu_batch(g, phase, S, ch);
+    rc = hep_proxy_submit(g->proxy, ch, n, epoch);
+    free(ch);
+    return rc;
 }
 
 int hep_group_sync(hep_group *g, void *stream)
@@ -205,11 +292,6 @@ int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *
         return rc;
     if (g->cfg.backend == HEP_BACKEND_HOST)
         return hep_host_dispatch(g, a, o);
-    if (g->N > 1)
-        return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "GPU dispatch across %d nodes is not available in this version (the "
-                        "host backend has it; one node: ranks_per_node = world)",
-                        g->N);
     k = g->kargs;
     k->t = a->num_tokens;
     k->K = a->topk;
@@ -219,6 +301,14 @@ int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *
     k->topk_idx = a->topk_idx;
     k->weights = a->topk_weights;
     k->timeout_ns = hep_env_get()->timeout_ms * 1000000ull;
+    if (g->N > 1) {
+        rc = start_network(g, 0, g->cfg.dispatch_sms, a->stream, g->epoch + 1);
+        if (rc)
+            return rc;
+        rc = hep_launch_node_pack(k, g->cfg.dispatch_sms, a->stream);
+        if (rc)
+            return cuda_status((cudaError_t)rc, "hep_dispatch: kernel launch");
+    }
     rc = hep_launch_dispatch(k, g->cfg.dispatch_sms, a->stream);
     if (rc)
         return cuda_status((cudaError_t)rc, "hep_dispatch: kernel launch");
@@ -258,6 +348,8 @@ int hep_combine(hep_group *g, const hep_combine_args *a)
         k->combine_in = a->expert_out;
         k->x_stride_in = g->cfg.hidden * 2;
         rc = 0;
+        if (g->N > 1 && (rc = start_network(g, 1, g->cfg.combine_sms, a->stream, g->epoch)))
+            return rc;
         if (a->expert_out && a->expert_out != hep_my_buf(g, HEP_BUF_TOKEN_X))
             rc = hep_launch_copy_in(k, 64, a->stream);
         if (rc == 0)

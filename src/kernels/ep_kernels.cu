@@ -104,16 +104,231 @@ __device__ __forceinline__ long long topk_at(const hep_kargs &a, int i, int k)
 }
 
 
+// ---------------------------------------------------------------- token lists
+// A rank forwards N lists of tokens to its node-mates: list `node` is its own tokens (the
+// caller's routing); list L != node (N > 1) is the slot received from the peer on node L
+// (its tokens that this node needs, packed in source order, with kmax-wide routing). Row
+// order at a destination is [list][source local rank][token]: the documented
+// [source node][source local rank][token].
+struct lview {
+    int t, K, slot;
+    const char *tok;
+    const float *scl;
+    const int *ids;
+    const float *w;
+};
+
+__device__ __forceinline__ int slot_index(int L, int node)
+{
+    return L < node ? L : L - 1;
+}
+
+__device__ __forceinline__ lview list_of(const hep_kargs &a, int L)
+{
+    lview v;
+    if (L == a.node) {
+        v.t = a.t, v.K = a.K, v.slot = 0;
+        v.tok = (const char *)a.tokens, v.scl = a.scales, v.ids = NULL, v.w = a.weights;
+    } else {
+        const size_t s = (size_t)slot_index(L, a.node), T = (size_t)a.T;
+        v.t = (int)ld_relaxed(a.slot_words + s), v.K = a.kmax, v.slot = 1;
+        v.tok = a.slot_token + s * T * (size_t)a.H * a.esize;
+        v.scl = a.slot_scale ? a.slot_scale + s * T * a.nscale : NULL;
+        v.ids = a.slot_route + s * 2 * T * a.kmax;
+        v.w = (const float *)(v.ids + T * a.kmax);
+    }
+    return v;
+}
+
+__device__ __forceinline__ long long list_id(const hep_kargs &a, const lview &v, int i, int k)
+{
+    return v.slot ? (long long)v.ids[(size_t)i * a.kmax + k] : topk_at(a, i, k);
+}
+__device__ __forceinline__ float list_w(const hep_kargs &a, const lview &v, int i, int k)
+{
+    return v.w[(size_t)i * v.K + k];
+}
+
+// Block b's share of a list of t tokens: [t0, t1).
+__device__ __forceinline__ void block_range(int t, int b, int S, int &t0, int &t1)
+{
+    const int chunk = (t + S - 1) / S;
+    t0 = min(t, b * chunk);
+    t1 = min(t, t0 + chunk);
+}
+
+// All S blocks of this kernel arrived at *ctr (the kernels of a rank fit the GPU together).
+__device__ __forceinline__ int grid_wait(const hep_kargs &a, unsigned long long *ctr,
+                                         unsigned long long expect)
+{
+    __shared__ int ok;
+    if (threadIdx.x == 0)
+        ok = wait_geq_s(a, ctr, expect, HEP_STAGE_PREPROCESS, a.rank0 + a.local, 2);
+    __syncthreads();
+    return ok;
+}
+
+// Each list slot's flag from the peer's proxy (N > 1): every block waits for all of them.
+__device__ __forceinline__ bool wait_slots(const hep_kargs &a, const unsigned long long *words,
+                                           unsigned long long e, int stage)
+{
+    __shared__ int ok;
+    if (threadIdx.x == 0)
+        ok = 1;
+    __syncthreads();
+    if (threadIdx.x < a.N - 1) {
+        int L = threadIdx.x < a.node ? threadIdx.x : threadIdx.x + 1;
+        if (!wait_geq(a, words + a.N + threadIdx.x, e, stage, L * a.R + a.local))
+            ok = 0;
+    }
+    __syncthreads();
+    return ok;
+}
+
+// ---------------------------------------------------------------- node pack (N > 1)
+// Own token i goes to node m's send slot (once, if any of its experts is there) at row
+// node_pos[i][m] = rows of node m of the tokens before it. Block b publishes its rows
+// [first, first + count) of every slot to the proxy; the last block publishes each slot's
+// count and flag words.
+__global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_node_pack(hep_kargs a)
+{
+    const int N = a.N, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nwarps = blockDim.x >> 5, S = gridDim.x, b = blockIdx.x;
+    const long long Enode = (long long)a.El * a.R, E = Enode * N;
+    const unsigned lt = (1u << lane) - 1u;
+    __shared__ int wcnt[32][HEP_GPU_MAX_NODES], run[HEP_GPU_MAX_NODES], pre[HEP_GPU_MAX_NODES];
+    __shared__ unsigned long long s_epoch;
+    __shared__ int s_last;
+    int t0, t1;
+    if (aborted(a))
+        return;
+    if (tid == 0)
+        s_epoch = *a.epoch + 1;
+    if (tid < N)
+        run[tid] = 0;
+    __syncthreads();
+    const unsigned long long e = s_epoch;
+    block_range(a.t, b, S, t0, t1);
+
+    for (int tile = t0; tile < t1; tile += blockDim.x) {
+        const int i = tile + tid;
+        unsigned mask = 0;
+        if (i < t1)
+            for (int k = 0; k < a.K; k++) {
+                long long x = topk_at(a, i, k);
+                if (x >= 0 && x < E && (int)(x / Enode) != a.node)
+                    mask |= 1u << (int)(x / Enode);
+            }
+        for (int m = 0; m < N; m++) {
+            unsigned bl = __ballot_sync(FULL, (mask >> m) & 1u);
+            if (lane == 0)
+                wcnt[warp][m] = __popc(bl);
+        }
+        __syncthreads();
+        if (tid < N) {
+            int r = run[tid];
+            for (int w = 0; w < nwarps; w++) {
+                int c = wcnt[w][tid];
+                wcnt[w][tid] = r;
+                r += c;
+            }
+            run[tid] = r;
+        }
+        __syncthreads();
+        for (int m = 0; m < N; m++) {
+            unsigned bit = (mask >> m) & 1u, bl = __ballot_sync(FULL, bit);
+            if (i < t1)
+                a.node_pos[(size_t)i * N + m] = bit ? wcnt[warp][m] + __popc(bl & lt) : -1;
+        }
+        __syncthreads();
+    }
+    if (tid < N)
+        a.node_blocks[(size_t)b * N + tid] = run[tid];
+    __syncthreads();
+    if (tid == 0) {
+        __threadfence();
+        red_add_release(a.pack_arrive, 1ull);
+    }
+    if (!grid_wait(a, a.pack_arrive, e * (unsigned long long)S))
+        return;
+    if (tid < N) {
+        int p = 0;
+        for (int q = 0; q < b; q++)
+            p += ld_volatile_int(a.node_blocks + (size_t)q * N + tid);
+        pre[tid] = p;
+    }
+    __syncthreads();
+    for (int k = tid; k < (t1 - t0) * N; k += blockDim.x) {
+        int *p = a.node_pos + (size_t)t0 * N + k;
+        if (*p >= 0)
+            *p += pre[k % N];
+    }
+    __syncthreads();
+
+    // copy each token once per node that needs it: row, sanitized routing, scales
+    const size_t rb = (size_t)a.H * a.esize, nvec = rb / 16, T = (size_t)a.T;
+    for (int i = t0 + warp; i < t1; i += nwarps) {
+        const int pos = lane < N ? a.node_pos[(size_t)i * N + lane] : -1;
+        const unsigned mask = __ballot_sync(FULL, pos >= 0);
+        long long myid = lane < a.K ? topk_at(a, i, lane) : -1;
+        if (myid < -1 || myid >= E)
+            myid = -1; /* reported by the dispatch kernel; travels as an unused slot */
+        const float myw = lane < a.K ? a.weights[(size_t)i * a.K + lane] : 0.f;
+        const uint4 *src = (const uint4 *)((const char *)a.tokens + (size_t)i * rb);
+        for (unsigned m = mask; m; m &= m - 1) {
+            const int L = __ffs(m) - 1;
+            const size_t j = (size_t)slot_index(L, a.node);
+            const size_t row = (size_t)__shfl_sync(FULL, pos, L);
+            uint4 *dst = (uint4 *)(a.send_token + (j * T + row) * rb);
+            for (size_t v = lane; v < nvec; v += 32)
+                dst[v] = __ldg(src + v);
+            if (lane < a.kmax) {
+                a.send_route[(j * 2 * T + row) * a.kmax + lane] = (int)myid;
+                ((float *)a.send_route)[(j * 2 * T + T + row) * a.kmax + lane] = myw;
+            }
+            for (int c = lane; c < a.nscale; c += 32)
+                a.send_scale[(j * T + row) * a.nscale + c] = a.scales[(size_t)i * a.nscale + c];
+        }
+    }
+    __syncthreads();
+    if (tid == 0) {
+        __threadfence_system();
+        for (int L = 0; L < N; L++) {
+            unsigned long long *w = a.px + HEP_PX_WORD(N, 0, L) + 3 * b;
+            if (L == a.node)
+                continue;
+            w[1] = (unsigned long long)pre[L];
+            w[2] = (unsigned long long)run[L];
+            __threadfence_system();
+            st_release(w, e);
+        }
+        __threadfence_system();
+        s_last = atomicAdd(a.pack_done, 1ull) == e * (unsigned long long)S - 1;
+    }
+    __syncthreads();
+    if (s_last && tid < N && tid != a.node) { // the last block: every slot's count, flag
+        int total = 0;
+        __threadfence();
+        for (int q = 0; q < S; q++)
+            total += ld_volatile_int(a.node_blocks + (size_t)q * N + tid);
+        a.send_words[tid] = (unsigned long long)total;
+        a.send_words[N + tid] = e;
+        __threadfence_system();
+        st_release(a.px + HEP_PX_WORD(N, 0, tid) + 3 * HEP_PX_MAX_BLOCKS, e);
+    }
+}
+
 // ---------------------------------------------------------------- dispatch (fused)
-// One kernel per call, S blocks. Block b owns tokens [b*chunk, (b+1)*chunk).
-//  1. every block: routing of its tokens -> destination mask, its position among the
-//     block's tokens for each destination, per-(destination, expert) counts (added to the
-//     published counts), its per-destination totals; then it arrives at the rank's grid
-//     counter.
+// One kernel per call, S blocks. Block b owns tokens [b*chunk, (b+1)*chunk) of each list.
+//  0. (N > 1) every block waits for the slots of the other nodes.
+//  1. every block, per list: routing of its tokens -> destination mask, its position among
+//     the block's tokens for each destination, per-(destination, expert) counts (added to
+//     the published counts), its per-destination totals; then it arrives at the rank's
+//     grid counter.
 //  2. block 0: totals -> published counts -> COUNTS_READY; waits for every node-mate's;
-//     derives this rank's row base at each destination, what it receives, tokens per
-//     expert; LAYOUT_READY. The other blocks meanwhile turn their positions into rank-wide
-//     positions (prefix over the blocks before them).
+//     derives this rank's row base at each destination for each list, what it receives,
+//     tokens per expert; LAYOUT_READY. The other blocks meanwhile turn their positions into
+//     rank-wide positions (prefix over the blocks before them).
 //  3. every block: pushes its tokens' rows, probabilities and scales; arrives at every
 //     destination; block 0 waits for every source's S arrivals.
 #ifndef DU
@@ -125,33 +340,24 @@ __device__ __forceinline__ long long topk_at(const hep_kargs &a, int i, int k)
 #define ST_ROW(p, v) (*(p) = (v))
 #endif
 
-__device__ __forceinline__ int grid_wait(const hep_kargs &a, unsigned long long *ctr,
-                                         unsigned long long expect)
-{
-    __shared__ int ok;
-    if (threadIdx.x == 0)
-        ok = wait_geq_s(a, ctr, expect, HEP_STAGE_PREPROCESS, a.local, 2);
-    __syncthreads();
-    return ok;
-}
 
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
 {
     extern __shared__ int sm[];
-    const int R = a.R, El = a.El, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int R = a.R, El = a.El, N = a.N, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int nwarps = blockDim.x >> 5, S = gridDim.x, b = blockIdx.x;
     int *cnt = sm;                      // [R][El]
     int *wcnt = cnt + R * El;           // [32][R]
     int *run = wcnt + 32 * R;           // [R]
-    int *pre = run + R;                 // [R] rows of earlier blocks, then base at dest
+    int *pre = run + R;                 // [R] rows of earlier blocks
     __shared__ unsigned long long s_epoch;
     /* destination tables in shared memory: indexing the kernel parameters by a run-time
      * destination compiles to constant-bank loads, which stall on every row pass */
     __shared__ char *s_x[HEP_GPU_MAX_LOCAL];
     __shared__ float *s_prob[HEP_GPU_MAX_LOCAL], *s_scale[HEP_GPU_MAX_LOCAL];
-    const long long E = (long long)El * R;
+    const long long E = (long long)El * R * N, first = (long long)a.rank0 * El;
     const unsigned lt = (1u << lane) - 1u;
-    const int chunk = (a.t + S - 1) / S, t0 = min(a.t, b * chunk), t1 = min(a.t, t0 + chunk);
+    const size_t T = (size_t)a.T, LW = (size_t)R * (El + 1); // counts words of one list
 
     if (aborted(a))
         return;
@@ -160,73 +366,86 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
         if (b == 0)
             a.diag->t_start = now_ns();
     }
-    for (int j = tid; j < R * El; j += blockDim.x)
-        cnt[j] = 0;
     for (int j = tid; j < R; j += blockDim.x) {
-        run[j] = 0;
         s_x[j] = a.x[j];
         s_prob[j] = a.prob[j];
         s_scale[j] = a.scale[j];
     }
     __syncthreads();
     const unsigned long long e = s_epoch;
-    const size_t par = (size_t)(e & 1) * R * (El + 1);
+    if (N > 1 && !wait_slots(a, a.slot_words, e, HEP_STAGE_NODE_DISPATCH))
+        return;
+    const size_t par = (size_t)(e & 1) * N * LW;
     int *mine = a.counts[a.local] + par;
 
-    // 1. positions within this block
-    for (int tile = t0; tile < t1; tile += blockDim.x) {
-        const int i = tile + tid;
-        unsigned mask = 0;
-        if (i < t1) {
-            for (int k = 0; k < a.K; k++) {
-                long long x = topk_at(a, i, k);
-                if (x == -1)
-                    continue;
-                if (x < -1 || x >= E) {
-                    if (atomicCAS(&a.diag->invalid_claimed, 0u, 1u) == 0u) {
-                        a.diag->bad_token = i;
-                        a.diag->bad_slot = k;
-                        a.diag->bad_value = x;
+    // 1. positions within this block, list by list
+    for (int L = 0; L < N; L++) {
+        const lview v = list_of(a, L);
+        int t0, t1;
+        block_range(v.t, b, S, t0, t1);
+        for (int j = tid; j < R * El; j += blockDim.x)
+            cnt[j] = 0;
+        for (int j = tid; j < R; j += blockDim.x)
+            run[j] = 0;
+        __syncthreads();
+        for (int tile = t0; tile < t1; tile += blockDim.x) {
+            const int i = tile + tid;
+            unsigned mask = 0;
+            if (i < t1) {
+                for (int k = 0; k < v.K; k++) {
+                    long long x = list_id(a, v, i, k);
+                    if (x == -1)
+                        continue;
+                    if (x < -1 || x >= E) { /* own tokens only: slots carry -1 instead */
+                        if (atomicCAS(&a.diag->invalid_claimed, 0u, 1u) == 0u) {
+                            a.diag->bad_token = i;
+                            a.diag->bad_slot = k;
+                            a.diag->bad_value = x;
+                        }
+                        continue;
                     }
-                    continue;
+                    if (x < first || x >= first + (long long)R * El)
+                        continue; /* another node's expert */
+                    const int d = (int)((x - first) / El), ex = (int)((x - first) % El);
+                    bool dup = false;
+                    for (int q = 0; q < k; q++)
+                        dup |= list_id(a, v, i, q) == x;
+                    mask |= 1u << d;
+                    if (!dup)
+                        atomicAdd(&cnt[d * El + ex], 1);
                 }
-                bool dup = false;
-                for (int q = 0; q < k; q++)
-                    dup |= topk_at(a, i, q) == x;
-                mask |= 1u << (int)(x / El);
-                if (!dup)
-                    atomicAdd(&cnt[(int)(x / El) * El + (int)(x % El)], 1);
             }
-        }
-        for (int d = 0; d < R; d++) {
-            unsigned bl = __ballot_sync(FULL, (mask >> d) & 1u);
-            if (lane == 0)
-                wcnt[warp * R + d] = __popc(bl);
-        }
-        __syncthreads();
-        if (tid < R) {
-            int r = run[tid];
-            for (int w = 0; w < nwarps; w++) {
-                int c = wcnt[w * R + tid];
-                wcnt[w * R + tid] = r;
-                r += c;
+            for (int d = 0; d < R; d++) {
+                unsigned bl = __ballot_sync(FULL, (mask >> d) & 1u);
+                if (lane == 0)
+                    wcnt[warp * R + d] = __popc(bl);
             }
-            run[tid] = r;
+            __syncthreads();
+            if (tid < R) {
+                int r = run[tid];
+                for (int w = 0; w < nwarps; w++) {
+                    int c = wcnt[w * R + tid];
+                    wcnt[w * R + tid] = r;
+                    r += c;
+                }
+                run[tid] = r;
+            }
+            __syncthreads();
+            for (int d = 0; d < R; d++) {
+                unsigned bit = (mask >> d) & 1u, bl = __ballot_sync(FULL, bit);
+                if (i < t1)
+                    a.dest_rows[((size_t)L * T + i) * R + d] =
+                        bit ? wcnt[warp * R + d] + __popc(bl & lt) : -1;
+            }
+            __syncthreads();
         }
-        __syncthreads();
-        for (int d = 0; d < R; d++) {
-            unsigned bit = (mask >> d) & 1u, bl = __ballot_sync(FULL, bit);
-            if (i < t1)
-                a.dest_rows[(size_t)i * R + d] = bit ? wcnt[warp * R + d] + __popc(bl & lt) : -1;
-        }
+        for (int j = tid; j < R * El; j += blockDim.x)
+            if (cnt[j])
+                atomicAdd(&mine[(size_t)L * LW + (j / El) * (El + 1) + 1 + j % El], cnt[j]);
+        for (int d = tid; d < R; d += blockDim.x)
+            a.block_counts[((size_t)L * S + b) * R + d] = run[d];
         __syncthreads();
     }
-    for (int j = tid; j < R * El; j += blockDim.x)
-        if (cnt[j])
-            atomicAdd(&mine[(j / El) * (El + 1) + 1 + j % El], cnt[j]);
-    for (int d = tid; d < R; d += blockDim.x)
-        a.block_counts[(size_t)b * R + d] = run[d];
-    __syncthreads();
     if (tid == 0) {
         __threadfence();
         red_add_release(a.grid_arrive, 1ull);
@@ -235,11 +454,12 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
         return;
 
     if (b == 0) { // 2. the rank's counts, the node's counts, the layout
-        for (int d = tid; d < R; d += blockDim.x) {
+        for (int j = tid; j < N * R; j += blockDim.x) {
+            const int L = j / R, d = j % R;
             int total = 0;
             for (int q = 0; q < S; q++)
-                total += ld_volatile_int(a.block_counts + (size_t)q * R + d);
-            mine[(size_t)d * (El + 1)] = total;
+                total += ld_volatile_int(a.block_counts + ((size_t)L * S + q) * R + d);
+            mine[(size_t)L * LW + (size_t)d * (El + 1)] = total;
         }
         __syncthreads();
         if (tid == 0) {
@@ -248,20 +468,26 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
             st_release(a.flags[a.local] + HEP_FLAG_COUNTS_READY, e);
         }
         if (tid < R)
-            wait_geq(a, a.flags[tid] + HEP_FLAG_COUNTS_READY, e, HEP_STAGE_PREPROCESS, tid);
+            wait_geq(a, a.flags[tid] + HEP_FLAG_COUNTS_READY, e, HEP_STAGE_PREPROCESS,
+                     a.rank0 + tid);
         __syncthreads();
         if (aborted(a))
             return;
-        if (tid < R) { // my row base at destination tid: rows of the sources before me
+        for (int j = tid; j < N * R; j += blockDim.x) { // my base for list L at dest d
+            const int L = j / R, d = j % R;
             int off = 0;
-            for (int s2 = 0; s2 < a.local; s2++)
-                off += ld_volatile_int(a.counts[s2] + par + (size_t)tid * (El + 1));
-            a.meta[tid] = off;
+            for (int L2 = 0; L2 <= L; L2++)
+                for (int s2 = 0; s2 < (L2 < L ? R : a.local); s2++)
+                    off += ld_volatile_int(a.counts[s2] + par + (size_t)L2 * LW +
+                                           (size_t)d * (El + 1));
+            a.meta[j] = off;
         }
         for (int j = tid; j <= El; j += blockDim.x) { // what I receive
             int sum = 0;
-            for (int s2 = 0; s2 < R; s2++)
-                sum += ld_volatile_int(a.counts[s2] + par + (size_t)a.local * (El + 1) + j);
+            for (int L2 = 0; L2 < N; L2++)
+                for (int s2 = 0; s2 < R; s2++)
+                    sum += ld_volatile_int(a.counts[s2] + par + (size_t)L2 * LW +
+                                           (size_t)a.local * (El + 1) + j);
             if (j == 0)
                 *a.recv_count = sum;
             else
@@ -270,8 +496,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
         }
         // the other parity was call e - 1's: every node-mate read it before it arrived
         // here at the end of that call; it is zeroed for call e + 1's additions
-        for (int j = tid; j < R * (El + 1); j += blockDim.x)
-            a.counts[a.local][(size_t)((e + 1) & 1) * R * (El + 1) + j] = 0;
+        for (int j = tid; j < N * (int)LW; j += blockDim.x)
+            a.counts[a.local][(size_t)((e + 1) & 1) * N * LW + j] = 0;
         __syncthreads();
         if (tid == 0) {
             a.diag->t_layout = now_ns();
@@ -280,19 +506,23 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
         }
     }
     // every block: rank-wide positions of its tokens (prefix over the blocks before it)
-    for (int d = tid; d < R; d += blockDim.x) {
-        int p = 0;
-        for (int q = 0; q < b; q++)
-            p += ld_volatile_int(a.block_counts + (size_t)q * R + d);
-        pre[d] = p;
+    for (int L = 0; L < N; L++) {
+        int t0, t1;
+        block_range(list_of(a, L).t, b, S, t0, t1);
+        for (int d = tid; d < R; d += blockDim.x) {
+            int p = 0;
+            for (int q = 0; q < b; q++)
+                p += ld_volatile_int(a.block_counts + ((size_t)L * S + q) * R + d);
+            pre[d] = p;
+        }
+        __syncthreads();
+        for (int k = tid; k < (t1 - t0) * R; k += blockDim.x) {
+            int *dr = a.dest_rows + ((size_t)L * T + t0) * R + k;
+            if (*dr >= 0)
+                *dr += pre[k % R];
+        }
+        __syncthreads();
     }
-    __syncthreads();
-    for (int k = tid; k < (t1 - t0) * R; k += blockDim.x) {
-        int *dr = a.dest_rows + (size_t)t0 * R + k;
-        if (*dr >= 0)
-            *dr += pre[k % R];
-    }
-    __syncthreads();
     if (b != 0 && !grid_wait(a, a.layout_ready, e))
         return;
     if (b == 0)
@@ -300,58 +530,63 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
 
     // 3. push
     const size_t rb = (size_t)a.H * a.esize, nvec = rb / 16;
-    const int mybase = lane < R ? ld_volatile_int(a.meta + lane) : 0;
-    const int per_warp = (t1 - t0 + nwarps - 1) / nwarps;
-    const int w0 = min(t1, t0 + warp * per_warp), w1 = min(t1, w0 + per_warp);
+    for (int L = 0; L < N; L++) {
+        const lview v = list_of(a, L);
+        const int mybase = lane < R ? ld_volatile_int(a.meta + L * R + lane) : 0;
+        int t0, t1;
+        block_range(v.t, b, S, t0, t1);
+        const int per_warp = (t1 - t0 + nwarps - 1) / nwarps;
+        const int w0 = min(t1, t0 + warp * per_warp), w1 = min(t1, w0 + per_warp);
 #ifdef HEP_STRIDED_TOKENS
-    for (int i = t0 + warp; i < t1; i += nwarps) {
+        for (int i = t0 + warp; i < t1; i += nwarps) {
 #else
-    /* consecutive tokens per warp: their rows at a destination are adjacent, so each
-     * warp's writes stay in few DRAM pages */
-    for (int i = w0; i < w1; i++) {
+        /* consecutive tokens per warp: their rows at a destination are adjacent, so each
+         * warp's writes stay in few DRAM pages */
+        for (int i = w0; i < w1; i++) {
 #endif
-        int pos = lane < R ? a.dest_rows[(size_t)i * R + lane] : -1;
-        int row = pos >= 0 ? mybase + pos : -1;
-        unsigned mask = __ballot_sync(FULL, row >= 0);
-        long long myid = lane < a.K ? topk_at(a, i, lane) : -2;
-        float myw = lane < a.K ? a.weights[(size_t)i * a.K + lane] : 0.f;
-        const uint4 *src = (const uint4 *)((const char *)a.tokens + (size_t)i * rb);
-        for (size_t v0 = 0; v0 < nvec; v0 += 32 * DU) {
-            uint4 buf[DU];
+            int pos = lane < R ? a.dest_rows[((size_t)L * T + i) * R + lane] : -1;
+            int row = pos >= 0 ? mybase + pos : -1;
+            unsigned mask = __ballot_sync(FULL, row >= 0);
+            long long myid = lane < v.K ? list_id(a, v, i, lane) : -2;
+            float myw = lane < v.K ? list_w(a, v, i, lane) : 0.f;
+            const uint4 *src = (const uint4 *)(v.tok + (size_t)i * rb);
+            for (size_t v0 = 0; v0 < nvec; v0 += 32 * DU) {
+                uint4 buf[DU];
 #pragma unroll
-            for (int u = 0; u < DU; u++) {
-                size_t v = v0 + (size_t)u * 32 + lane;
-                if (v < nvec)
-                    buf[u] = __ldg(src + v);
+                for (int u = 0; u < DU; u++) {
+                    size_t q = v0 + (size_t)u * 32 + lane;
+                    if (q < nvec)
+                        buf[u] = v.slot ? ld_cg(src + q) : __ldg(src + q);
+                }
+                for (unsigned m = mask; m; m &= m - 1) {
+                    int d = __ffs(m) - 1;
+                    int r = __shfl_sync(FULL, row, d);
+                    uint4 *dst = (uint4 *)(s_x[d] + (size_t)r * rb);
+#pragma unroll
+                    for (int u = 0; u < DU; u++) {
+                        size_t q = v0 + (size_t)u * 32 + lane;
+                        if (q < nvec)
+                            ST_ROW(dst + q, buf[u]);
+                    }
+                }
             }
             for (unsigned m = mask; m; m &= m - 1) {
                 int d = __ffs(m) - 1;
                 int r = __shfl_sync(FULL, row, d);
-                uint4 *dst = (uint4 *)(s_x[d] + (size_t)r * rb);
-#pragma unroll
-                for (int u = 0; u < DU; u++) {
-                    size_t v = v0 + (size_t)u * 32 + lane;
-                    if (v < nvec)
-                        ST_ROW(dst + v, buf[u]);
+                for (int j0 = 0; j0 < El; j0 += 32) {
+                    long long want = first + (long long)d * El + j0 + lane;
+                    float p = 0.f;
+                    for (int k = 0; k < v.K; k++) {
+                        long long x = __shfl_sync(FULL, myid, k);
+                        float w = __shfl_sync(FULL, myw, k);
+                        p += x == want ? w : 0.f;
+                    }
+                    if (j0 + lane < El)
+                        s_prob[d][(size_t)r * El + j0 + lane] = p;
                 }
+                for (int c = lane; c < a.nscale; c += 32)
+                    s_scale[d][(size_t)r * a.nscale + c] = v.scl[(size_t)i * a.nscale + c];
             }
-        }
-        for (unsigned m = mask; m; m &= m - 1) {
-            int d = __ffs(m) - 1;
-            int r = __shfl_sync(FULL, row, d);
-            for (int j0 = 0; j0 < El; j0 += 32) {
-                long long want = (long long)d * El + j0 + lane;
-                float p = 0.f;
-                for (int k = 0; k < a.K; k++) {
-                    long long x = __shfl_sync(FULL, myid, k);
-                    float w = __shfl_sync(FULL, myw, k);
-                    p += x == want ? w : 0.f;
-                }
-                if (j0 + lane < El)
-                    s_prob[d][(size_t)r * El + j0 + lane] = p;
-            }
-            for (int c = lane; c < a.nscale; c += 32)
-                s_scale[d][(size_t)r * a.nscale + c] = a.scales[(size_t)i * a.nscale + c];
         }
     }
     __syncthreads();
@@ -362,11 +597,12 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     }
     if (b == 0 && tid < R)
         wait_geq(a, a.flags[a.local] + HEP_FLAG_DISPATCH_ARRIVE + tid,
-                 e * (unsigned long long)S, HEP_STAGE_DISPATCH, tid);
+                 e * (unsigned long long)S, HEP_STAGE_DISPATCH, a.rank0 + tid);
 }
 
-extern "C" size_t hep_dispatch_smem(int R, int El)
+extern "C" size_t hep_dispatch_smem(int N, int R, int El)
 {
+    (void)N;
     return sizeof(int) * ((size_t)R * El + 32 * (size_t)R + 2 * (size_t)R);
 }
 
@@ -404,30 +640,141 @@ __device__ __forceinline__ uint4 pack8(const float *f)
     return v;
 }
 
+// One warp: the row `out` = f32 sum over the node-mates holding token i of list L (in
+// ascending local rank), then (parts != NULL, own tokens) plus each other node's partial
+// sum of it (ascending node), rounded to BF16 once.
+__device__ __forceinline__ void combine_row(const hep_kargs &a, const char *const *s_x, int L,
+                                            int i, int mybase, uint4 *out, const char *parts)
+{
+    const int lane = threadIdx.x & 31, R = a.R;
+    const size_t rb = (size_t)a.H * 2, nvec = rb / 16, T = (size_t)a.T;
+    int pos = lane < R ? a.dest_rows[((size_t)L * T + i) * R + lane] : -1;
+    int row = pos >= 0 ? mybase + pos : -1;
+    unsigned mask = __ballot_sync(FULL, row >= 0);
+    int npos = parts && lane < a.N && lane != a.node ? a.node_pos[(size_t)i * a.N + lane] : -1;
+    unsigned nmask = __ballot_sync(FULL, npos >= 0);
+    for (size_t v0 = 0; v0 < nvec; v0 += 32 * CU) {
+        float f[CU][8];
+#pragma unroll
+        for (int u = 0; u < CU; u++)
+#pragma unroll
+            for (int q = 0; q < 8; q++)
+                f[u][q] = 0.f;
+        // in ascending destination order, CD destinations' rows loaded together
+        for (unsigned m = mask; m;) {
+            const uint4 *src[CD];
+            int n = 0;
+#pragma unroll
+            for (int c = 0; c < CD; c++) {
+                src[c] = NULL;
+                if (m) {
+                    int d = __ffs(m) - 1;
+                    m &= m - 1;
+                    src[c] = (const uint4 *)(s_x[d] + (size_t)__shfl_sync(FULL, row, d) * rb);
+                    n++;
+                }
+            }
+            uint4 v[CD][CU];
+#pragma unroll
+            for (int c = 0; c < CD; c++)
+#pragma unroll
+                for (int u = 0; u < CU; u++) {
+                    size_t k = v0 + (size_t)u * 32 + lane;
+                    v[c][u] = (c < n && k < nvec) ? LD_ROW(src[c] + k) : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+            for (int c = 0; c < CD; c++)
+                if (c < n)
+#pragma unroll
+                    for (int u = 0; u < CU; u++)
+                        acc8(f[u], v[c][u]);
+        }
+        for (unsigned m = nmask; m; m &= m - 1) { // the other nodes' partial sums
+            const int M = __ffs(m) - 1;
+            const uint4 *src = (const uint4 *)(parts + ((size_t)slot_index(M, a.node) * T +
+                                                        (size_t)__shfl_sync(FULL, npos, M)) * rb);
+#pragma unroll
+            for (int u = 0; u < CU; u++) {
+                size_t k = v0 + (size_t)u * 32 + lane;
+                if (k < nvec)
+                    acc8(f[u], ld_cg(src + k));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < CU; u++) {
+            size_t k = v0 + (size_t)u * 32 + lane;
+            if (k < nvec)
+                out[k] = pack8(f[u]);
+        }
+    }
+}
+
+// S blocks. N > 1: first the partial sums of the other nodes' tokens (slot by slot, block
+// b's share published to the proxy as it completes; the last block publishes each slot's
+// count and flag), then the wait for the other nodes' partial sums of this rank's tokens.
+// Then this rank's tokens.
 __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
 {
     if (aborted(a))
         return;
-    const int lane = threadIdx.x & 31, R = a.R;
-    const int wpb = blockDim.x >> 5;
-    const int gw = blockIdx.x * wpb + (threadIdx.x >> 5), nw = gridDim.x * wpb;
-    const size_t rb = (size_t)a.H * 2, nvec = rb / 16;
+    const int R = a.R, N = a.N, tid = threadIdx.x, S = gridDim.x, b = blockIdx.x;
+    const int lane = tid & 31, wpb = blockDim.x >> 5, warp = tid >> 5;
+    const int gw = b * wpb + warp, nw = S * wpb;
+    const size_t rb = (size_t)a.H * 2, T = (size_t)a.T;
     const unsigned long long e = *a.epoch;
-    const int mybase = lane < R ? a.meta[lane] : 0;
     __shared__ const char *s_x[HEP_GPU_MAX_LOCAL]; /* see k_dispatch */
-    if (threadIdx.x < R)
-        s_x[threadIdx.x] = a.x[threadIdx.x];
+    __shared__ int s_last;
+    if (tid < R)
+        s_x[tid] = a.x[tid];
 
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (b == 0 && tid == 0) {
         __threadfence_system();
         st_release(a.flags[a.local] + HEP_FLAG_COMBINE_READY, e);
     }
-    if (threadIdx.x < R)
-        wait_geq(a, a.flags[threadIdx.x] + HEP_FLAG_COMBINE_READY, e, HEP_STAGE_COMBINE,
-                 threadIdx.x);
+    if (tid < R)
+        wait_geq(a, a.flags[tid] + HEP_FLAG_COMBINE_READY, e, HEP_STAGE_COMBINE, a.rank0 + tid);
     __syncthreads();
     if (aborted(a))
         return;
+    if (N > 1) {
+        for (int L = 0; L < N; L++) {
+            if (L == a.node)
+                continue;
+            const int s = slot_index(L, a.node), t = (int)ld_relaxed(a.slot_words + s);
+            const int mybase = lane < R ? a.meta[L * R + lane] : 0;
+            int t0, t1;
+            block_range(t, b, S, t0, t1);
+            const int per_warp = (t1 - t0 + wpb - 1) / wpb;
+            const int w0 = min(t1, t0 + warp * per_warp), w1 = min(t1, w0 + per_warp);
+            for (int i = w0; i < w1; i++)
+                combine_row(a, s_x, L, i, mybase,
+                            (uint4 *)(a.red_token + ((size_t)s * T + i) * rb), NULL);
+            __syncthreads();
+            if (tid == 0) {
+                unsigned long long *w = a.px + HEP_PX_WORD(N, 1, L) + 3 * b;
+                __threadfence_system();
+                w[1] = (unsigned long long)t0;
+                w[2] = (unsigned long long)(t1 - t0);
+                __threadfence_system();
+                st_release(w, e);
+            }
+        }
+        if (tid == 0) {
+            __threadfence_system();
+            s_last = atomicAdd(a.combine_done, 1ull) == e * (unsigned long long)S - 1;
+        }
+        __syncthreads();
+        if (s_last && tid < N && tid != a.node) {
+            __threadfence();
+            a.red_words[tid] = ld_relaxed(a.slot_words + slot_index(tid, a.node));
+            a.red_words[N + tid] = e;
+            __threadfence_system();
+            st_release(a.px + HEP_PX_WORD(N, 1, tid) + 3 * HEP_PX_MAX_BLOCKS, e);
+        }
+        if (!wait_slots(a, a.part_words, e, HEP_STAGE_NODE_COMBINE))
+            return;
+    }
+    const int mybase = lane < R ? a.meta[a.node * R + lane] : 0;
 #ifdef HEP_STRIDED_TOKENS
     for (int i = gw; i < a.t; i += nw) {
 #else
@@ -435,53 +782,9 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     const int w0 = min(a.t, gw * per_warp), w1 = min(a.t, w0 + per_warp);
     for (int i = w0; i < w1; i++) {
 #endif
-        int pos = lane < R ? a.dest_rows[(size_t)i * R + lane] : -1;
-        int row = pos >= 0 ? mybase + pos : -1;
-        unsigned mask = __ballot_sync(FULL, row >= 0);
-        uint4 *out = (uint4 *)((char *)a.combine_out + (size_t)i * rb);
-        for (size_t v0 = 0; v0 < nvec; v0 += 32 * CU) {
-            float f[CU][8];
-#pragma unroll
-            for (int u = 0; u < CU; u++)
-#pragma unroll
-                for (int q = 0; q < 8; q++)
-                    f[u][q] = 0.f;
-            // in ascending destination order, CD destinations' rows loaded together
-            for (unsigned m = mask; m;) {
-                const uint4 *src[CD];
-                int n = 0;
-#pragma unroll
-                for (int c = 0; c < CD; c++) {
-                    src[c] = NULL;
-                    if (m) {
-                        int d = __ffs(m) - 1;
-                        m &= m - 1;
-                        src[c] = (const uint4 *)(s_x[d] + (size_t)__shfl_sync(FULL, row, d) * rb);
-                        n++;
-                    }
-                }
-                uint4 v[CD][CU];
-#pragma unroll
-                for (int c = 0; c < CD; c++)
-#pragma unroll
-                    for (int u = 0; u < CU; u++) {
-                        size_t k = v0 + (size_t)u * 32 + lane;
-                        v[c][u] = (c < n && k < nvec) ? LD_ROW(src[c] + k) : make_uint4(0, 0, 0, 0);
-                    }
-#pragma unroll
-                for (int c = 0; c < CD; c++)
-                    if (c < n)
-#pragma unroll
-                        for (int u = 0; u < CU; u++)
-                            acc8(f[u], v[c][u]);
-            }
-#pragma unroll
-            for (int u = 0; u < CU; u++) {
-                size_t k = v0 + (size_t)u * 32 + lane;
-                if (k < nvec)
-                    out[k] = pack8(f[u]);
-            }
-        }
+        combine_row(a, s_x, a.node, i, mybase,
+                    (uint4 *)((char *)a.combine_out + (size_t)i * rb),
+                    N > 1 ? a.part_token : NULL);
     }
 }
 
@@ -502,7 +805,7 @@ __global__ void k_copy_in(hep_kargs a)
 // ---------------------------------------------------------------- launchers
 extern "C" int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream)
 {
-    size_t smem = hep_dispatch_smem(a->R, a->El);
+    size_t smem = hep_dispatch_smem(a->N, a->R, a->El);
     cudaError_t e = cudaSuccess;
     if (smem > 48 * 1024)
         e = cudaFuncSetAttribute(k_dispatch, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -510,6 +813,12 @@ extern "C" int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream)
     if (e != cudaSuccess)
         return (int)e;
     k_dispatch<<<blocks, DISPATCH_THREADS, smem, (cudaStream_t)stream>>>(*a);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int hep_launch_node_pack(const hep_kargs *a, int blocks, void *stream)
+{
+    k_node_pack<<<blocks, DISPATCH_THREADS, 0, (cudaStream_t)stream>>>(*a);
     return (int)cudaGetLastError();
 }
 
@@ -532,7 +841,7 @@ extern "C" int hep_kernels_preload(void)
 {
     cudaFuncAttributes fa;
     const void *k[] = {(const void *)k_dispatch, (const void *)k_combine,
-                       (const void *)k_copy_in};
+                       (const void *)k_copy_in, (const void *)k_node_pack};
     for (unsigned i = 0; i < sizeof(k) / sizeof(k[0]); i++) {
         cudaError_t e = cudaFuncGetAttributes(&fa, k[i]);
         if (e != cudaSuccess)

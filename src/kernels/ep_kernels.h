@@ -20,6 +20,7 @@
 #include <stdint.h>
 
 #define HEP_GPU_MAX_LOCAL 32 /* ranks per node of the GPU kernels (one warp of lanes) */
+#define HEP_GPU_MAX_NODES 32 /* nodes of the GPU kernels (one warp of lanes) */
 
 /* Layout of a rank's flags buffer (u64 monotonic counters), in words. */
 #define HEP_FLAG_COUNTS_READY 0     /* this rank published its counts for call e */
@@ -27,7 +28,16 @@
 #define HEP_FLAG_HOST_DONE 9        /* host backend: this rank finished reading, call e */
 #define HEP_FLAG_DISPATCH_ARRIVE 16 /* [W]: blocks of source s that finished writing here */
 
-enum { HEP_STAGE_PREPROCESS = 1, HEP_STAGE_DISPATCH = 2, HEP_STAGE_COMBINE = 3 };
+/* Layout of the proxy's ready counters (host-mapped u64), per phase (0 dispatch, 1
+ * combine) and node m: for each block b, {ready, first, count} at 3b (the block's rows of
+ * node m's slot are [first, first + count), in place once ready = e); then at
+ * 3 * HEP_PX_MAX_BLOCKS the slot's count and flag words are in place once it is e. */
+#define HEP_PX_MAX_BLOCKS 132
+#define HEP_PX_NODE_WORDS (3 * HEP_PX_MAX_BLOCKS + 1)
+#define HEP_PX_WORD(N, phase, m) (((size_t)(phase) * (size_t)(N) + (size_t)(m)) * HEP_PX_NODE_WORDS)
+
+enum { HEP_STAGE_PREPROCESS = 1, HEP_STAGE_DISPATCH = 2, HEP_STAGE_COMBINE = 3,
+       HEP_STAGE_NODE_DISPATCH = 4, HEP_STAGE_NODE_COMBINE = 5 };
 
 /* Host-mapped record of the first failure seen by a rank's kernels. */
 typedef struct hep_diag {
@@ -43,6 +53,7 @@ typedef struct hep_diag {
 
 typedef struct hep_kargs {
     int local, R, H, El, K, t, esize, nscale, index64;
+    int node, N, T, kmax;            /* N > 1: this rank's node, the nodes, slot sizes */
     unsigned long long timeout_ns;
     /* inputs */
     const void *tokens;
@@ -69,6 +80,26 @@ typedef struct hep_kargs {
     int *counts[HEP_GPU_MAX_LOCAL];
     unsigned long long *flags[HEP_GPU_MAX_LOCAL];
     int x_stride_in;                 /* bytes of one combine input row of combine_in */
+    /* N > 1 (this rank's registered buffers; slot j holds node j + (j >= node)'s rows) */
+    int *node_pos;                   /* [T][N]: an own token's row in each node's slot or -1 */
+    int *node_blocks;                /* [S][N]: own tokens per node of each pack block */
+    unsigned long long *pack_arrive; /* pack blocks that counted / that finished */
+    unsigned long long *pack_done;
+    unsigned long long *combine_done;/* combine blocks that finished the partial sums */
+    char *send_token;                /* dispatch.attn_input_token [N-1][T] rows */
+    int *send_route;                 /* dispatch.attn_input_prob [N-1][2][T][kmax] */
+    float *send_scale;               /* dispatch.attn_input_scaling_factor [N-1][T][nscale] */
+    unsigned long long *send_words;  /* dispatch.attn_input_flags: counts [N], flags [N] */
+    const char *slot_token;          /* dispatch.rdma_inter_node_group_token */
+    const int *slot_route;           /* dispatch.rdma_inter_node_group_prob */
+    const float *slot_scale;         /* dispatch.rdma_inter_node_group_scaling_factor */
+    const unsigned long long *slot_words; /* dispatch.rdma_inter_node_group_flags */
+    char *red_token;                 /* combine.rdma_intra_node_red_token [N-1][T] bf16 rows */
+    unsigned long long *red_words;   /* combine.attn_output_flags: counts [N], flags [N] */
+    const char *part_token;          /* combine.rdma_inter_node_group_token [N-1][T] */
+    const unsigned long long *part_words; /* combine.rdma_inter_node_group_flags */
+    unsigned long long *px;          /* mapped: the proxy's ready counters (HEP_PX_*) */
+    int rank0;                       /* global rank of local rank 0 of this node */
 } hep_kargs;
 
 #ifdef __cplusplus
@@ -79,13 +110,16 @@ int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream);
 int hep_launch_combine(const hep_kargs *a, int blocks, void *stream);
 /* Copy recv_count rows (read on the device) of combine_in into this rank's X. */
 int hep_launch_copy_in(const hep_kargs *a, int blocks, void *stream);
+/* N > 1: pack this rank's tokens into the send staging of each node that needs them and
+ * publish each block's rows to the proxy (runs before hep_launch_dispatch). */
+int hep_launch_node_pack(const hep_kargs *a, int blocks, void *stream);
 /* Read `bytes` (a multiple of 16) once, streaming: the bench's read ceiling. */
 int hep_launch_read_ceiling(const void *p, size_t bytes, unsigned *sink, int blocks,
                             void *stream);
 /* Load every kernel now (lazy loading inside co-dependent kernels can deadlock). */
 int hep_kernels_preload(void);
 /* Bytes of dynamic shared memory the dispatch kernel needs for R ranks, El experts. */
-size_t hep_dispatch_smem(int R, int El);
+size_t hep_dispatch_smem(int N, int R, int El);
 #ifdef __cplusplus
 }
 #endif
