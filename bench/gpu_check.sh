@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call. Expects the binaries built
 # by bench/gpu_build.sh in .gpu/ (carried with the call). Full logs go to $OUT.
-# Usage: bench/gpu_check.sh [all|test|bench]   (BENCH_ARGS adds options to every bench)
+# Usage: bench/gpu_check.sh [all|test|bench|nodes]   (BENCH_ARGS adds options to every bench)
+#   nodes: the benches of 2 x 4 and 4 x 2 virtual nodes over the loopback NIC
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hep-gpu}
@@ -41,4 +42,16 @@ if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
       python3 bench/torch_baseline.py /tmp/routing_$dt.bin --ours /tmp/bench_$dt.json 2>&1
     done
   } 2>&1 | tee "$OUT/bench.txt" | grep -vE '^\[bench\]'
+fi
+if [ "$MODE" = all ] || [ "$MODE" = nodes ]; then
+  {
+    for shape in "2 4" "4 2"; do
+      set -- $shape
+      for dt in bf16 fp8; do
+        step "hybridep bench --nodes $1 --ranks-per-node $2 --dtype $dt ${BENCH_ARGS:-}"
+        HEP_GPU_MR_MODE=dmabuf HEP_LOG_LEVEL=warn $B/hybridep bench --nodes "$1" \
+          --ranks-per-node "$2" --dtype $dt --json-file "/tmp/bench_n$1_$dt.json" ${BENCH_ARGS:-}
+      done
+    done
+  } 2>&1 | tee "$OUT/bench_nodes.txt" | grep -vE '^\[bench\]'
 fi

@@ -14,6 +14,7 @@
 #include "core/core.h"
 #include "group/group.h"
 #include "kernels/ep_kernels.h"
+#include "net/proxy.h"
 #include "json.h"
 
 typedef struct bench_opts {
@@ -42,6 +43,8 @@ typedef struct rank_data {
     float *t_disp, *t_comb;               /* own launch -> own end */
     float *s_disp, *e_disp, *s_comb, *e_comb; /* start / end after rank 0's reference event */
     double *s_pre, *e_pre; /* in-kernel %globaltimer (ms): dispatch start, layout ready */
+    hep_proxy_peer_stats net[2]; /* N > 1: what the proxy posted in the timed iterations,
+                                    dispatch and combine, summed over the peers */
     int rc;
     char err[1024];
 } rank_data;
@@ -217,9 +220,40 @@ static void *host_rank(void *p)
                  ta->rank);
     }
 out:
+    if (d->rc)
+        fprintf(stderr, "hybridep bench: host backend, rank %d: %s\n", ta->rank, d->err);
     free(comb);
     hep_group_destroy(g);
     return NULL;
+}
+
+/* The proxy's counters, summed over the peers (zero with one node). */
+static hep_proxy_peer_stats net_now(hep_group *g)
+{
+    hep_proxy_peer_stats t, x;
+    memset(&t, 0, sizeof(t));
+    for (int p = 0; g->proxy && p < g->world; p++) {
+        hep_proxy_stats(g->proxy, p, &x);
+        t.bytes += x.bytes;
+        t.data_wrs += x.data_wrs;
+        t.flag_wrs += x.flag_wrs;
+        t.flags_done += x.flags_done;
+        t.ready_to_flag_ns += x.ready_to_flag_ns;
+        if (x.ready_to_flag_max_ns > t.ready_to_flag_max_ns)
+            t.ready_to_flag_max_ns = x.ready_to_flag_max_ns;
+    }
+    return t;
+}
+
+/* acc += now - before */
+static void net_add(hep_proxy_peer_stats *acc, const hep_proxy_peer_stats *before,
+                    const hep_proxy_peer_stats *now)
+{
+    acc->bytes += now->bytes - before->bytes;
+    acc->data_wrs += now->data_wrs - before->data_wrs;
+    acc->flag_wrs += now->flag_wrs - before->flag_wrs;
+    acc->flags_done += now->flags_done - before->flags_done;
+    acc->ready_to_flag_ns += now->ready_to_flag_ns - before->ready_to_flag_ns;
 }
 
 static void *gpu_rank(void *p)
@@ -322,11 +356,13 @@ static void *gpu_rank(void *p)
             b->ref_event = ev[6];
         }
         bs.barrier(bs.ctx);
+        hep_proxy_peer_stats n0 = net_now(g), n1, n2;
         CKB(cudaEventRecord(ev[0], st));
         HCK(hep_dispatch(g, &da, &dr));
         CKB(cudaEventRecord(ev[1], st));
         CKB(cudaStreamSynchronize(st));
         HCK(hep_group_sync(g, st));
+        n1 = net_now(g);
         bs.barrier(bs.ctx);
         ca.handle = dr.handle;
         CKB(cudaEventRecord(ev[2], st));
@@ -334,6 +370,11 @@ static void *gpu_rank(void *p)
         CKB(cudaEventRecord(ev[3], st));
         CKB(cudaStreamSynchronize(st));
         HCK(hep_group_sync(g, st));
+        n2 = net_now(g);
+        if (it >= b->o.warmup) {
+            net_add(&d->net[0], &n0, &n1);
+            net_add(&d->net[1], &n1, &n2);
+        }
         CKB(cudaEventElapsedTime(&d->t_disp[it], ev[0], ev[1]));
         CKB(cudaEventElapsedTime(&d->t_comb[it], ev[2], ev[3]));
         CKB(cudaEventElapsedTime(&d->s_disp[it], (cudaEvent_t)b->ref_event, ev[0]));
@@ -568,10 +609,8 @@ static int parse(int argc, char **argv, bench_opts *o)
         o->host = cudaGetDeviceCount(&n) != cudaSuccess || n == 0;
         (void)cudaGetLastError();
     }
-    if (o->nodes < 1 || (o->nodes != 1 && !o->host)) {
-        fprintf(stderr, "hybridep bench: --nodes %d: GPU dispatch across nodes is not available "
-                        "in this version (--backend host runs it through the loopback NIC)\n",
-                o->nodes);
+    if (o->nodes < 1) {
+        fprintf(stderr, "hybridep bench: --nodes must be >= 1\n");
         return 2;
     }
     return 0;
@@ -618,6 +657,7 @@ static void report(const bench *b, const phase_row *ph, int n, const char *gpu_n
         json_num(&j, "ceiling_gbs", b->ceiling_gbs);
         json_num(&j, "write_ceiling_gbs", b->ceil.write);
         json_num(&j, "read_ceiling_gbs", b->ceil.read);
+        json_int(&j, "nodes", o->nodes);
         json_arr(&j, "phases");
         for (int i = 0; i < n; i++) {
             json_obj(&j, NULL);
@@ -632,6 +672,15 @@ static void report(const bench *b, const phase_row *ph, int n, const char *gpu_n
             json_num(&j, "read_bytes", ph[i].rbytes);
             json_num(&j, "write_bytes", ph[i].wbytes);
             json_num(&j, "mix_floor_ms", ph[i].bytes ? floor_ms(b, &ph[i]) : NAN);
+            if (!o->host && o->nodes > 1 && i >= 1 && i <= 2) {
+                double bytes = 0, wrs = 0;
+                for (int r = 0; r < b->W; r++) {
+                    bytes += (double)b->rd[r].net[i - 1].bytes;
+                    wrs += (double)(b->rd[r].net[i - 1].data_wrs + b->rd[r].net[i - 1].flag_wrs);
+                }
+                json_num(&j, "network_bytes_per_rank", bytes / ((double)b->W * o->iters));
+                json_num(&j, "network_writes_per_rank", wrs / ((double)b->W * o->iters));
+            }
             json_end_obj(&j);
         }
         json_end_arr(&j);
@@ -676,6 +725,32 @@ static void report(const bench *b, const phase_row *ph, int n, const char *gpu_n
             printf("%-11s %10.0f %14.0f %8.3f ms %9.0f %7.1f%% %15.1f %6.3f ms\n", ph[i].name,
                    ph[i].rows, ph[i].bytes, ph[i].ms, gbs, 100.0 * gbs / b->ceiling_gbs,
                    ph[i].algbw_rank, o->host ? NAN : floor_ms(b, &ph[i]));
+    }
+    if (!o->host && o->nodes > 1) { /* what crossed the (loopback) network */
+        printf("network (%s NIC, %d nodes; per rank and call, medians' phase times):\n",
+               "loopback", o->nodes);
+        printf("%-11s %14s %10s %10s %12s %16s\n", "phase", "bytes sent", "GB/s", "writes",
+               "writes/s", "ready->flag us");
+        for (int ph_i = 0; ph_i < 2; ph_i++) {
+            const phase_row *pr = &ph[1 + ph_i];
+            double bytes = 0, wrs = 0, lat = 0, nflags = 0;
+            for (int r = 0; r < b->W; r++) {
+                bytes += (double)b->rd[r].net[ph_i].bytes;
+                wrs += (double)(b->rd[r].net[ph_i].data_wrs + b->rd[r].net[ph_i].flag_wrs);
+                lat += (double)b->rd[r].net[ph_i].ready_to_flag_ns;
+                nflags += (double)b->rd[r].net[ph_i].flags_done;
+            }
+            bytes /= (double)b->W * o->iters;
+            wrs /= (double)b->W * o->iters;
+            printf("%-11s %14.0f %10.1f %10.1f %12.0f %16.1f\n", pr->name, bytes,
+                   bytes / (pr->ms * 1e-3) / 1e9, wrs, wrs / (pr->ms * 1e-3),
+                   nflags ? lat / nflags / 1e3 : NAN);
+        }
+        printf("network bytes: rows, routing and scales (dispatch) or partial sums (combine) "
+               "the proxy wrote to other nodes, counts and flags excluded; writes = work "
+               "requests (data and flags); ready->flag = from a slot seen complete by the "
+               "proxy to its flag's completion. The loopback NIC copies through this GPU's "
+               "copy engine: these are not line-rate figures.\n");
     }
     if (!o->host)
         printf("preprocess = the layout step inside the dispatch kernel (in-kernel timer), "

@@ -324,8 +324,9 @@ static int all_on_one_host(const rank_card *cards, int world)
 static int setup_internode(hep_group *g, const rank_card *cards, const hep_group_hooks *hooks,
                            int *dmabuf)
 {
-    hep_coord_options o = {0, NULL};
+    hep_coord_options o = {0, NULL, 0};
     int rc;
+    o.host_memory = g->cfg.backend == HEP_BACKEND_HOST;
     o.loopback = transport_is_loopback(hooks);
     if (!hooks || !hooks->transport)
         if (strcmp(hep_env_get()->nic, "auto") == 0 && all_on_one_host(cards, g->world) &&

@@ -6,6 +6,7 @@
 #include <infiniband/verbs.h>
 
 #include "core/core.h"
+#include "mr/mr.h"
 #include "net/coordinator.h"
 
 #define COORD_ACCESS                                                                             \
@@ -49,9 +50,12 @@ int hep_coord_create(const hep_plan *p, char *local_arena, const hep_bootstrap *
         const hep_plan_buffer *b = &p->buf[HEP_FIRST_RDMA_BUF + i];
         if (!b->present)
             continue;
-        rc = hep_gpu_mr_register(&c->net->mr_ops, c->net->pd, cuda_device,
-                                 local_arena + b->offset, b->bytes, COORD_ACCESS, b->name,
-                                 &c->mr[i]);
+        int mode = hep_env_get()->mr_mode;
+        if (o->host_memory && mode == HEP_MR_MODE_DMABUF)
+            mode = HEP_MR_MODE_AUTO; /* host memory has no DMA-BUF export to force */
+        rc = hep_gpu_mr_register_mode(&c->net->mr_ops, mode,
+                                      c->net->pd, cuda_device, local_arena + b->offset, b->bytes,
+                                      COORD_ACCESS, b->name, &c->mr[i]);
         if (rc == HEP_OK) {
             c->registered++;
             c->dmabuf += c->mr[i].path == HEP_MR_DMABUF;

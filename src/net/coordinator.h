@@ -24,6 +24,9 @@ typedef struct hep_coord {
 typedef struct hep_coord_options {
     int loopback;                    /* 1: the loopback NIC; 0: a real RDMA device */
     const hep_gpu_mr_ops *mr_override; /* non-NULL members replace the NIC's (tests) */
+    int host_memory;                 /* 1: the buffers are host memory (the host backend):
+                                        HEP_GPU_MR_MODE=dmabuf, about GPU memory, acts as
+                                        auto (ibv_reg_mr first) */
 } hep_coord_options;
 
 /* Open the NIC, register every RDMA buffer of the plan that lies in `local_arena`. Not
