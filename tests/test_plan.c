@@ -71,11 +71,11 @@ static void plan_two_nodes_lists_all_fourteen_rdma_buffers(void **state)
     assert_int_equal(p.buf[HEP_BUF_D_ATTN_TOKEN].bytes, 1 * 100 * 512);
     assert_int_equal(p.buf[HEP_BUF_D_GROUP_TOKEN].bytes, 1 * 100 * 512);
     assert_int_equal(p.buf[HEP_BUF_C_GROUP_TOKEN].bytes, 1 * 100 * 512 * 2);
-    /* each token's routing travels (K ids, K weights); (count, flag) per node, then 4
-     * chunk flags of 32 tokens per node */
+    /* each token's routing travels (K ids, K weights); (count, flag, count-block flag)
+     * per node, then per node a count block of 4 ranks x (3 experts + 1) i32 = 8 words */
     assert_int_equal(p.buf[HEP_BUF_D_ATTN_PROB].bytes, 100 * 2 * 4 * 4);
     assert_int_equal(p.buf[HEP_BUF_D_GROUP_PROB].bytes, 1 * 100 * 2 * 4 * 4);
-    assert_int_equal(p.buf[HEP_BUF_D_ATTN_FLAGS].bytes, (2 * 2 + 2 * 4) * 8);
+    assert_int_equal(p.buf[HEP_BUF_D_ATTN_FLAGS].bytes, (3 * 2 + 2 * 8) * 8);
     assert_int_equal(p.buf[HEP_BUF_D_ATTN_SCALE].bytes, 100 * 4 * 4);
     /* FP8 dispatch slots live inside the BF16 partial-sum slots */
     assert_int_equal(p.buf[HEP_BUF_D_GROUP_TOKEN].alias_of, HEP_BUF_C_RED_TOKEN);

@@ -45,6 +45,12 @@ int hep_ep_setup(hep_group *g)
                         "ranks_per_node x (experts_per_rank + 1) = %d x %d counters exceed the "
                         "dispatch kernel's shared memory",
                         g->R, g->cfg.experts_per_rank + 1);
+    if (g->N > 1 && sizeof(int) * (size_t)g->world * (size_t)(g->cfg.experts_per_rank + 1) >
+                        200 * 1024)
+        return hep_fail(HEP_ERR_INVALID,
+                        "world x (experts_per_rank + 1) = %d x %d counters exceed the inter-node "
+                        "pack kernel's shared memory",
+                        g->world, g->cfg.experts_per_rank + 1);
     {
         int e = hep_kernels_preload();
         if (e)
@@ -75,7 +81,9 @@ int hep_ep_setup(hep_group *g)
     k->pack_arrive = k->epoch + 3;
     k->pack_done = k->epoch + 4;
     k->combine_done = k->epoch + 5;
-    k->recv_count = (int *)(k->epoch + 6);
+    k->count_done = k->epoch + 6;
+    k->grid_arrive2 = k->epoch + 7;
+    k->recv_count = (int *)(k->epoch + 8);
     k->tokens_per_expert = k->recv_count + 1;
     k->node_pos = k->dest_rows + (size_t)g->cfg.max_tokens * (size_t)g->world;
     k->node_blocks = k->node_pos + (size_t)g->cfg.max_tokens * (size_t)g->N;
@@ -248,7 +256,7 @@ static int start_network(hep_group *g, int phase, int S, void *stream, uint64_t 
     rc = proxy_done(g); /* an asynchronous call's batch before this one */
     if (rc)
         return rc;
-    ch = malloc(sizeof(*ch) * (size_t)(g->N - 1) * (4 * (size_t)S + 1));
+    ch = malloc(sizeof(*ch) * (size_t)(g->N - 1) * (4 * (size_t)S + 2));
     if (!ch)
         return hep_fail(HEP_ERR_NOMEM, "%s: out of memory", phase ? "hep_combine" : "hep_dispatch");
     n = hep_wire_gpu_batch(g, phase, S, ch);

@@ -67,7 +67,7 @@ struct hep_proxy_chunk hep_wire_count_then_flag(const hep_group *g, int peer, in
                                                 int lword, int rword,
                                                 const volatile uint64_t *ready);
 /* The GPU path's batch for phase 0 (dispatch) or 1 (combine) with S blocks; `ch` holds
- * (N - 1) x (4 S + 1). Returns the number of chunks. */
+ * (N - 1) x (4 S + 2). Returns the number of chunks. */
 int hep_wire_gpu_batch(const hep_group *g, int phase, int S, struct hep_proxy_chunk *ch);
 
 int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda_device,

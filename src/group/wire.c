@@ -81,6 +81,20 @@ int hep_wire_gpu_batch(const hep_group *g, int phase, int S, hep_proxy_chunk *ch
         if (m == g->node)
             continue;
         if (phase == 0) {
+            /* the count block first, with its own flag: the receiver lays out early */
+            const size_t cb = HEP_COUNT_BLOCK_WORDS((size_t)g->R, (size_t)g->cfg.experts_per_rank);
+            const size_t N = (size_t)g->N;
+            hep_proxy_chunk f = hep_wire_chunk(g, peer, HEP_BUF_D_ATTN_FLAGS, (2 * N + m) * 8,
+                                               HEP_BUF_D_GROUP_FLAGS, (2 * N + s) * 8, 8, NULL);
+            ch[n] = hep_wire_chunk(g, peer, HEP_BUF_D_ATTN_FLAGS, (3 * N + m * cb) * 8,
+                                   HEP_BUF_D_GROUP_FLAGS, (3 * N + s * cb) * 8, cb * 8,
+                                   px + 3 * HEP_PX_MAX_BLOCKS + 1);
+            ch[n].flag = 1;
+            ch[n].flag_lkey = f.lkey;
+            ch[n].flag_laddr = f.laddr;
+            ch[n].flag_rkey = f.rkey;
+            ch[n].flag_raddr = f.raddr;
+            n++;
             n = add_blocks(g, ch, n, peer, HEP_BUF_D_ATTN_TOKEN, j * T * rb, HEP_BUF_D_GROUP_TOKEN,
                            s * T * rb, rb, px, S);
             n = add_blocks(g, ch, n, peer, HEP_BUF_D_ATTN_PROB, j * 2 * T * rw,

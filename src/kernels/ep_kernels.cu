@@ -192,7 +192,10 @@ __device__ __forceinline__ bool wait_slots(const hep_kargs &a, const unsigned lo
 // count and flag words.
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_node_pack(hep_kargs a)
 {
+    extern __shared__ int ncnt[]; // [N][R][El + 1]: the count block of each node's slot
     const int N = a.N, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int R = a.R, El = a.El, CBI = R * (El + 1);
+    const size_t CBW = HEP_COUNT_BLOCK_WORDS((size_t)R, (size_t)El);
     const int nwarps = blockDim.x >> 5, S = gridDim.x, b = blockIdx.x;
     const long long Enode = (long long)a.El * a.R, E = Enode * N;
     const unsigned lt = (1u << lane) - 1u;
@@ -206,6 +209,11 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_node_pack(hep_kargs a)
         s_epoch = *a.epoch + 1;
     if (tid < N)
         run[tid] = 0;
+    for (int j = tid; j < N * CBI; j += blockDim.x)
+        ncnt[j] = 0;
+    if (b == 0) /* the previous call's blocks went out before this call was submitted */
+        for (int j = tid; j < N * CBI; j += blockDim.x)
+            ((int *)(a.send_words + 3 * N))[(size_t)(j / CBI) * 2 * CBW + j % CBI] = 0;
     __syncthreads();
     const unsigned long long e = s_epoch;
     block_range(a.t, b, S, t0, t1);
@@ -216,8 +224,21 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_node_pack(hep_kargs a)
         if (i < t1)
             for (int k = 0; k < a.K; k++) {
                 long long x = topk_at(a, i, k);
-                if (x >= 0 && x < E && (int)(x / Enode) != a.node)
-                    mask |= 1u << (int)(x / Enode);
+                if (x < 0 || x >= E || (int)(x / Enode) == a.node)
+                    continue;
+                const int m = (int)(x / Enode), d = (int)((x % Enode) / El);
+                bool dup_rank = false, dup = false;
+                for (int q = 0; q < k; q++) {
+                    long long y = topk_at(a, i, q);
+                    dup |= y == x;
+                    dup_rank |= y >= 0 && y < E && y / El == x / El;
+                }
+                mask |= 1u << m;
+                int *c = ncnt + (size_t)m * CBI + (size_t)d * (El + 1);
+                if (!dup_rank)
+                    atomicAdd(c, 1); /* the token goes to rank d of node m once */
+                if (!dup)
+                    atomicAdd(c + 1 + (int)(x % El), 1);
             }
         for (int m = 0; m < N; m++) {
             unsigned bl = __ballot_sync(FULL, (mask >> m) & 1u);
@@ -251,6 +272,24 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_node_pack(hep_kargs a)
     }
     if (!grid_wait(a, a.pack_arrive, e * (unsigned long long)S))
         return;
+    // the count blocks first (zeroed by block 0 before the grid barrier): the receivers lay
+    // out with them while the rows travel
+    for (int j = tid; j < N * CBI; j += blockDim.x)
+        if (ncnt[j] && j / CBI != a.node)
+            atomicAdd((int *)(a.send_words + 3 * N) + (size_t)(j / CBI) * 2 * CBW + j % CBI,
+                      ncnt[j]);
+    __syncthreads();
+    if (tid == 0) {
+        __threadfence_system();
+        s_last = atomicAdd(a.count_done, 1ull) == e * (unsigned long long)S - 1;
+    }
+    __syncthreads();
+    if (s_last && tid < N && tid != a.node) {
+        __threadfence();
+        a.send_words[2 * N + tid] = e;
+        __threadfence_system();
+        st_release(a.px + HEP_PX_WORD(N, 0, tid) + 3 * HEP_PX_MAX_BLOCKS + 1, e);
+    }
     if (tid < N) {
         int p = 0;
         for (int q = 0; q < b; q++)
@@ -341,11 +380,177 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_node_pack(hep_kargs a)
 #endif
 
 
+// Block b's positions among its tokens of list L at each destination (handle.dest_rows,
+// made rank-wide by rebase_list) and its totals (handle.block_counts); with `count`, the
+// list's per-(destination, expert) counts are added to the published counts `mine`.
+__device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool count, int *cnt,
+                          int *wcnt, int *run, int *mine)
+{
+    const int R = a.R, El = a.El, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nwarps = blockDim.x >> 5, S = gridDim.x, b = blockIdx.x;
+    const long long E = (long long)El * R * a.N, first = (long long)a.rank0 * El;
+    const unsigned lt = (1u << lane) - 1u;
+    const size_t T = (size_t)a.T, LW = (size_t)R * (El + 1);
+    int t0, t1;
+    block_range(v.t, b, S, t0, t1);
+    for (int j = tid; j < R * El; j += blockDim.x)
+        cnt[j] = 0;
+    for (int j = tid; j < R; j += blockDim.x)
+        run[j] = 0;
+    __syncthreads();
+    for (int tile = t0; tile < t1; tile += blockDim.x) {
+        const int i = tile + tid;
+        unsigned mask = 0;
+        if (i < t1) {
+            for (int k = 0; k < v.K; k++) {
+                long long x = list_id(a, v, i, k);
+                if (x == -1)
+                    continue;
+                if (x < -1 || x >= E) { /* own tokens only: slots carry -1 instead */
+                    if (atomicCAS(&a.diag->invalid_claimed, 0u, 1u) == 0u) {
+                        a.diag->bad_token = i;
+                        a.diag->bad_slot = k;
+                        a.diag->bad_value = x;
+                    }
+                    continue;
+                }
+                if (x < first || x >= first + (long long)R * El)
+                    continue; /* another node's expert */
+                const int d = (int)((x - first) / El), ex = (int)((x - first) % El);
+                bool dup = false;
+                for (int q = 0; q < k; q++)
+                    dup |= list_id(a, v, i, q) == x;
+                mask |= 1u << d;
+                if (count && !dup)
+                    atomicAdd(&cnt[d * El + ex], 1);
+            }
+        }
+        for (int d = 0; d < R; d++) {
+            unsigned bl = __ballot_sync(FULL, (mask >> d) & 1u);
+            if (lane == 0)
+                wcnt[warp * R + d] = __popc(bl);
+        }
+        __syncthreads();
+        if (tid < R) {
+            int r = run[tid];
+            for (int w = 0; w < nwarps; w++) {
+                int c = wcnt[w * R + tid];
+                wcnt[w * R + tid] = r;
+                r += c;
+            }
+            run[tid] = r;
+        }
+        __syncthreads();
+        for (int d = 0; d < R; d++) {
+            unsigned bit = (mask >> d) & 1u, bl = __ballot_sync(FULL, bit);
+            if (i < t1)
+                a.dest_rows[((size_t)L * T + i) * R + d] =
+                    bit ? wcnt[warp * R + d] + __popc(bl & lt) : -1;
+        }
+        __syncthreads();
+    }
+    if (count)
+        for (int j = tid; j < R * El; j += blockDim.x)
+            if (cnt[j])
+                atomicAdd(&mine[(size_t)L * LW + (j / El) * (El + 1) + 1 + j % El], cnt[j]);
+    for (int d = tid; d < R; d += blockDim.x)
+        a.block_counts[((size_t)L * S + b) * R + d] = run[d];
+    __syncthreads();
+}
+
+// Block b's positions of list L made rank-wide: plus the rows of the blocks before it.
+__device__ void rebase_list(const hep_kargs &a, int L, int t, int *pre)
+{
+    const int R = a.R, tid = threadIdx.x, S = gridDim.x, b = blockIdx.x;
+    int t0, t1;
+    block_range(t, b, S, t0, t1);
+    for (int d = tid; d < R; d += blockDim.x) {
+        int p = 0;
+        for (int q = 0; q < b; q++)
+            p += ld_volatile_int(a.block_counts + ((size_t)L * S + q) * R + d);
+        pre[d] = p;
+    }
+    __syncthreads();
+    for (int k = tid; k < (t1 - t0) * R; k += blockDim.x) {
+        int *dr = a.dest_rows + ((size_t)L * (size_t)a.T + t0) * R + k;
+        if (*dr >= 0)
+            *dr += pre[k % R];
+    }
+    __syncthreads();
+}
+
+// Block b pushes its tokens of list L: rows, probabilities and scales at every destination.
+__device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const *s_x,
+                          float *const *s_prob, float *const *s_scale)
+{
+    const int R = a.R, El = a.El, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nwarps = blockDim.x >> 5, S = gridDim.x, b = blockIdx.x;
+    const long long first = (long long)a.rank0 * El;
+    const size_t rb = (size_t)a.H * a.esize, nvec = rb / 16, T = (size_t)a.T;
+    const int mybase = lane < R ? ld_volatile_int(a.meta + L * R + lane) : 0;
+    int t0, t1;
+    block_range(v.t, b, S, t0, t1);
+    const int per_warp = (t1 - t0 + nwarps - 1) / nwarps;
+    const int w0 = min(t1, t0 + warp * per_warp), w1 = min(t1, w0 + per_warp);
+    (void)tid;
+#ifdef HEP_STRIDED_TOKENS
+    for (int i = t0 + warp; i < t1; i += nwarps) {
+#else
+    /* consecutive tokens per warp: their rows at a destination are adjacent, so each
+     * warp's writes stay in few DRAM pages */
+    for (int i = w0; i < w1; i++) {
+#endif
+        int pos = lane < R ? a.dest_rows[((size_t)L * T + i) * R + lane] : -1;
+        int row = pos >= 0 ? mybase + pos : -1;
+        unsigned mask = __ballot_sync(FULL, row >= 0);
+        long long myid = lane < v.K ? list_id(a, v, i, lane) : -2;
+        float myw = lane < v.K ? list_w(a, v, i, lane) : 0.f;
+        const uint4 *src = (const uint4 *)(v.tok + (size_t)i * rb);
+        for (size_t v0 = 0; v0 < nvec; v0 += 32 * DU) {
+            uint4 buf[DU];
+#pragma unroll
+            for (int u = 0; u < DU; u++) {
+                size_t q = v0 + (size_t)u * 32 + lane;
+                if (q < nvec)
+                    buf[u] = v.slot ? ld_cg(src + q) : __ldg(src + q);
+            }
+            for (unsigned m = mask; m; m &= m - 1) {
+                int d = __ffs(m) - 1;
+                int r = __shfl_sync(FULL, row, d);
+                uint4 *dst = (uint4 *)(s_x[d] + (size_t)r * rb);
+#pragma unroll
+                for (int u = 0; u < DU; u++) {
+                    size_t q = v0 + (size_t)u * 32 + lane;
+                    if (q < nvec)
+                        ST_ROW(dst + q, buf[u]);
+                }
+            }
+        }
+        for (unsigned m = mask; m; m &= m - 1) {
+            int d = __ffs(m) - 1;
+            int r = __shfl_sync(FULL, row, d);
+            for (int j0 = 0; j0 < El; j0 += 32) {
+                long long want = first + (long long)d * El + j0 + lane;
+                float p = 0.f;
+                for (int k = 0; k < v.K; k++) {
+                    long long x = __shfl_sync(FULL, myid, k);
+                    float w = __shfl_sync(FULL, myw, k);
+                    p += x == want ? w : 0.f;
+                }
+                if (j0 + lane < El)
+                    s_prob[d][(size_t)r * El + j0 + lane] = p;
+            }
+            for (int c = lane; c < a.nscale; c += 32)
+                s_scale[d][(size_t)r * a.nscale + c] = v.scl[(size_t)i * a.nscale + c];
+        }
+    }
+}
+
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
 {
     extern __shared__ int sm[];
-    const int R = a.R, El = a.El, N = a.N, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int nwarps = blockDim.x >> 5, S = gridDim.x, b = blockIdx.x;
+    const int R = a.R, El = a.El, N = a.N, tid = threadIdx.x;
+    const int S = gridDim.x, b = blockIdx.x;
     int *cnt = sm;                      // [R][El]
     int *wcnt = cnt + R * El;           // [32][R]
     int *run = wcnt + 32 * R;           // [R]
@@ -355,9 +560,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
      * destination compiles to constant-bank loads, which stall on every row pass */
     __shared__ char *s_x[HEP_GPU_MAX_LOCAL];
     __shared__ float *s_prob[HEP_GPU_MAX_LOCAL], *s_scale[HEP_GPU_MAX_LOCAL];
-    const long long E = (long long)El * R * N, first = (long long)a.rank0 * El;
-    const unsigned lt = (1u << lane) - 1u;
-    const size_t T = (size_t)a.T, LW = (size_t)R * (El + 1); // counts words of one list
+    const size_t LW = (size_t)R * (El + 1); // counts words of one list
 
     if (aborted(a))
         return;
@@ -373,79 +576,11 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     }
     __syncthreads();
     const unsigned long long e = s_epoch;
-    if (N > 1 && !wait_slots(a, a.slot_words, e, HEP_STAGE_NODE_DISPATCH))
-        return;
     const size_t par = (size_t)(e & 1) * N * LW;
     int *mine = a.counts[a.local] + par;
 
-    // 1. positions within this block, list by list
-    for (int L = 0; L < N; L++) {
-        const lview v = list_of(a, L);
-        int t0, t1;
-        block_range(v.t, b, S, t0, t1);
-        for (int j = tid; j < R * El; j += blockDim.x)
-            cnt[j] = 0;
-        for (int j = tid; j < R; j += blockDim.x)
-            run[j] = 0;
-        __syncthreads();
-        for (int tile = t0; tile < t1; tile += blockDim.x) {
-            const int i = tile + tid;
-            unsigned mask = 0;
-            if (i < t1) {
-                for (int k = 0; k < v.K; k++) {
-                    long long x = list_id(a, v, i, k);
-                    if (x == -1)
-                        continue;
-                    if (x < -1 || x >= E) { /* own tokens only: slots carry -1 instead */
-                        if (atomicCAS(&a.diag->invalid_claimed, 0u, 1u) == 0u) {
-                            a.diag->bad_token = i;
-                            a.diag->bad_slot = k;
-                            a.diag->bad_value = x;
-                        }
-                        continue;
-                    }
-                    if (x < first || x >= first + (long long)R * El)
-                        continue; /* another node's expert */
-                    const int d = (int)((x - first) / El), ex = (int)((x - first) % El);
-                    bool dup = false;
-                    for (int q = 0; q < k; q++)
-                        dup |= list_id(a, v, i, q) == x;
-                    mask |= 1u << d;
-                    if (!dup)
-                        atomicAdd(&cnt[d * El + ex], 1);
-                }
-            }
-            for (int d = 0; d < R; d++) {
-                unsigned bl = __ballot_sync(FULL, (mask >> d) & 1u);
-                if (lane == 0)
-                    wcnt[warp * R + d] = __popc(bl);
-            }
-            __syncthreads();
-            if (tid < R) {
-                int r = run[tid];
-                for (int w = 0; w < nwarps; w++) {
-                    int c = wcnt[w * R + tid];
-                    wcnt[w * R + tid] = r;
-                    r += c;
-                }
-                run[tid] = r;
-            }
-            __syncthreads();
-            for (int d = 0; d < R; d++) {
-                unsigned bit = (mask >> d) & 1u, bl = __ballot_sync(FULL, bit);
-                if (i < t1)
-                    a.dest_rows[((size_t)L * T + i) * R + d] =
-                        bit ? wcnt[warp * R + d] + __popc(bl & lt) : -1;
-            }
-            __syncthreads();
-        }
-        for (int j = tid; j < R * El; j += blockDim.x)
-            if (cnt[j])
-                atomicAdd(&mine[(size_t)L * LW + (j / El) * (El + 1) + 1 + j % El], cnt[j]);
-        for (int d = tid; d < R; d += blockDim.x)
-            a.block_counts[((size_t)L * S + b) * R + d] = run[d];
-        __syncthreads();
-    }
+    // 1. this rank's own tokens: positions within the block, counts
+    scan_list(a, list_of(a, a.node), a.node, true, cnt, wcnt, run, mine);
     if (tid == 0) {
         __threadfence();
         red_add_release(a.grid_arrive, 1ull);
@@ -453,13 +588,33 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     if (!grid_wait(a, a.grid_arrive, e * (unsigned long long)S))
         return;
 
-    if (b == 0) { // 2. the rank's counts, the node's counts, the layout
-        for (int j = tid; j < N * R; j += blockDim.x) {
-            const int L = j / R, d = j % R;
+    if (b == 0) { // 2. the rank's counts (the other nodes' slots: their count blocks), layout
+        for (int d = tid; d < R; d += blockDim.x) {
             int total = 0;
             for (int q = 0; q < S; q++)
-                total += ld_volatile_int(a.block_counts + ((size_t)L * S + q) * R + d);
-            mine[(size_t)L * LW + (size_t)d * (El + 1)] = total;
+                total += ld_volatile_int(a.block_counts + ((size_t)a.node * S + q) * R + d);
+            mine[(size_t)a.node * LW + (size_t)d * (El + 1)] = total;
+        }
+        if (N > 1) {
+            const size_t CBW = HEP_COUNT_BLOCK_WORDS((size_t)R, (size_t)El);
+            __shared__ int s_ok;
+            if (tid == 0)
+                s_ok = 1;
+            __syncthreads();
+            if (tid < N - 1) {
+                int L = tid < a.node ? tid : tid + 1;
+                if (!wait_geq(a, a.slot_words + 2 * N + tid, e, HEP_STAGE_NODE_DISPATCH,
+                              L * R + a.local))
+                    s_ok = 0;
+            }
+            __syncthreads();
+            if (!s_ok)
+                return;
+            for (int j = tid; j < (N - 1) * (int)LW; j += blockDim.x) {
+                const int sl = j / (int)LW, L = sl < a.node ? sl : sl + 1;
+                mine[(size_t)L * LW + j % LW] = ld_volatile_int(
+                    (const int *)(a.slot_words + 3 * N) + (size_t)sl * 2 * CBW + j % LW);
+            }
         }
         __syncthreads();
         if (tid == 0) {
@@ -505,88 +660,32 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
             st_release(a.layout_ready, e);
         }
     }
-    // every block: rank-wide positions of its tokens (prefix over the blocks before it)
-    for (int L = 0; L < N; L++) {
-        int t0, t1;
-        block_range(list_of(a, L).t, b, S, t0, t1);
-        for (int d = tid; d < R; d += blockDim.x) {
-            int p = 0;
-            for (int q = 0; q < b; q++)
-                p += ld_volatile_int(a.block_counts + ((size_t)L * S + q) * R + d);
-            pre[d] = p;
-        }
-        __syncthreads();
-        for (int k = tid; k < (t1 - t0) * R; k += blockDim.x) {
-            int *dr = a.dest_rows + ((size_t)L * T + t0) * R + k;
-            if (*dr >= 0)
-                *dr += pre[k % R];
-        }
-        __syncthreads();
-    }
+    rebase_list(a, a.node, a.t, pre);
     if (b != 0 && !grid_wait(a, a.layout_ready, e))
         return;
     if (b == 0)
         __syncthreads();
 
-    // 3. push
-    const size_t rb = (size_t)a.H * a.esize, nvec = rb / 16;
-    for (int L = 0; L < N; L++) {
-        const lview v = list_of(a, L);
-        const int mybase = lane < R ? ld_volatile_int(a.meta + L * R + lane) : 0;
-        int t0, t1;
-        block_range(v.t, b, S, t0, t1);
-        const int per_warp = (t1 - t0 + nwarps - 1) / nwarps;
-        const int w0 = min(t1, t0 + warp * per_warp), w1 = min(t1, w0 + per_warp);
-#ifdef HEP_STRIDED_TOKENS
-        for (int i = t0 + warp; i < t1; i += nwarps) {
-#else
-        /* consecutive tokens per warp: their rows at a destination are adjacent, so each
-         * warp's writes stay in few DRAM pages */
-        for (int i = w0; i < w1; i++) {
-#endif
-            int pos = lane < R ? a.dest_rows[((size_t)L * T + i) * R + lane] : -1;
-            int row = pos >= 0 ? mybase + pos : -1;
-            unsigned mask = __ballot_sync(FULL, row >= 0);
-            long long myid = lane < v.K ? list_id(a, v, i, lane) : -2;
-            float myw = lane < v.K ? list_w(a, v, i, lane) : 0.f;
-            const uint4 *src = (const uint4 *)(v.tok + (size_t)i * rb);
-            for (size_t v0 = 0; v0 < nvec; v0 += 32 * DU) {
-                uint4 buf[DU];
-#pragma unroll
-                for (int u = 0; u < DU; u++) {
-                    size_t q = v0 + (size_t)u * 32 + lane;
-                    if (q < nvec)
-                        buf[u] = v.slot ? ld_cg(src + q) : __ldg(src + q);
-                }
-                for (unsigned m = mask; m; m &= m - 1) {
-                    int d = __ffs(m) - 1;
-                    int r = __shfl_sync(FULL, row, d);
-                    uint4 *dst = (uint4 *)(s_x[d] + (size_t)r * rb);
-#pragma unroll
-                    for (int u = 0; u < DU; u++) {
-                        size_t q = v0 + (size_t)u * 32 + lane;
-                        if (q < nvec)
-                            ST_ROW(dst + q, buf[u]);
-                    }
-                }
-            }
-            for (unsigned m = mask; m; m &= m - 1) {
-                int d = __ffs(m) - 1;
-                int r = __shfl_sync(FULL, row, d);
-                for (int j0 = 0; j0 < El; j0 += 32) {
-                    long long want = first + (long long)d * El + j0 + lane;
-                    float p = 0.f;
-                    for (int k = 0; k < v.K; k++) {
-                        long long x = __shfl_sync(FULL, myid, k);
-                        float w = __shfl_sync(FULL, myw, k);
-                        p += x == want ? w : 0.f;
-                    }
-                    if (j0 + lane < El)
-                        s_prob[d][(size_t)r * El + j0 + lane] = p;
-                }
-                for (int c = lane; c < a.nscale; c += 32)
-                    s_scale[d][(size_t)r * a.nscale + c] = v.scl[(size_t)i * a.nscale + c];
-            }
+    // 3. push the own tokens (while the other nodes' rows may still travel), then theirs
+    push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale);
+    if (N > 1) {
+        if (!wait_slots(a, a.slot_words, e, HEP_STAGE_NODE_DISPATCH))
+            return;
+        for (int L = 0; L < N; L++)
+            if (L != a.node)
+                scan_list(a, list_of(a, L), L, false, cnt, wcnt, run, mine);
+        if (tid == 0) {
+            __threadfence();
+            red_add_release(a.grid_arrive2, 1ull);
+        }
+        if (!grid_wait(a, a.grid_arrive2, e * (unsigned long long)S))
+            return;
+        for (int L = 0; L < N; L++) {
+            if (L == a.node)
+                continue;
+            const lview v = list_of(a, L);
+            rebase_list(a, L, v.t, pre);
+            push_list(a, v, L, s_x, s_prob, s_scale);
         }
     }
     __syncthreads();
@@ -818,7 +917,14 @@ extern "C" int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream)
 
 extern "C" int hep_launch_node_pack(const hep_kargs *a, int blocks, void *stream)
 {
-    k_node_pack<<<blocks, DISPATCH_THREADS, 0, (cudaStream_t)stream>>>(*a);
+    size_t smem = sizeof(int) * (size_t)a->N * (size_t)a->R * (size_t)(a->El + 1);
+    if (smem > 48 * 1024) {
+        cudaError_t e = cudaFuncSetAttribute(
+            k_node_pack, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+        if (e != cudaSuccess)
+            return (int)e;
+    }
+    k_node_pack<<<blocks, DISPATCH_THREADS, smem, (cudaStream_t)stream>>>(*a);
     return (int)cudaGetLastError();
 }
 

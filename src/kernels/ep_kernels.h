@@ -31,9 +31,16 @@
 /* Layout of the proxy's ready counters (host-mapped u64), per phase (0 dispatch, 1
  * combine) and node m: for each block b, {ready, first, count} at 3b (the block's rows of
  * node m's slot are [first, first + count), in place once ready = e); then at
- * 3 * HEP_PX_MAX_BLOCKS the slot's count and flag words are in place once it is e. */
+ * 3 * HEP_PX_MAX_BLOCKS the slot's count and flag words are in place once it is e, and at
+ * 3 * HEP_PX_MAX_BLOCKS + 1 the slot's count block (dispatch).
+ *
+ * Inter-node flags buffers (u64 words): [0, N) counts, [N, 2N) flags, [2N, 3N) count-block
+ * flags, then per node a count block: its slot's tokens per (local rank d, expert), as
+ * R x (E_l + 1) i32 (total at d, then per expert), sent ahead of the rows so that the
+ * receiver lays out its rows, and forwards its own tokens, while the rows travel. */
+#define HEP_COUNT_BLOCK_WORDS(R, El) (((R) * ((El) + 1) + 1) / 2)
 #define HEP_PX_MAX_BLOCKS 132
-#define HEP_PX_NODE_WORDS (3 * HEP_PX_MAX_BLOCKS + 1)
+#define HEP_PX_NODE_WORDS (3 * HEP_PX_MAX_BLOCKS + 2) /* + the slot's count block ready */
 #define HEP_PX_WORD(N, phase, m) (((size_t)(phase) * (size_t)(N) + (size_t)(m)) * HEP_PX_NODE_WORDS)
 
 enum { HEP_STAGE_PREPROCESS = 1, HEP_STAGE_DISPATCH = 2, HEP_STAGE_COMBINE = 3,
@@ -86,6 +93,8 @@ typedef struct hep_kargs {
     unsigned long long *pack_arrive; /* pack blocks that counted / that finished */
     unsigned long long *pack_done;
     unsigned long long *combine_done;/* combine blocks that finished the partial sums */
+    unsigned long long *count_done;  /* pack blocks that added their count blocks */
+    unsigned long long *grid_arrive2;/* dispatch blocks that scanned the other nodes' slots */
     char *send_token;                /* dispatch.attn_input_token [N-1][T] rows */
     int *send_route;                 /* dispatch.attn_input_prob [N-1][2][T][kmax] */
     float *send_scale;               /* dispatch.attn_input_scaling_factor [N-1][T][nscale] */

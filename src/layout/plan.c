@@ -137,10 +137,12 @@ static void plan_internode(plan_ctx *x, const hep_config *c, size_t esize, size_
     hep_plan *p = x->p;
     size_t T = (size_t)c->max_tokens, H = (size_t)c->hidden, N = (size_t)p->nodes;
     size_t Enode = (size_t)c->experts_per_rank * (size_t)p->ranks_per_node;
-    size_t chunks = (T + (size_t)c->chunk_tokens - 1) / (size_t)c->chunk_tokens;
     size_t slots = (N - 1) * T; /* rows received from the other nodes, one slot per node */
     size_t route = 2 * (size_t)c->max_topk; /* a token's top-k ids (i32) then weights (f32) */
-    size_t fw = 2 * N + N * chunks;         /* (count, flag) per node, then per-chunk flags */
+    /* flags buffers: count [N], flag [N], early-count flag [N], then per node the count
+     * block (tokens per (local rank, expert) of its slot, R x (E_l + 1) i32) */
+    size_t fw = 3 * N + N * HEP_COUNT_BLOCK_WORDS((size_t)p->ranks_per_node,
+                                                  (size_t)c->experts_per_rank);
     const char *tok = c->dtype == HEP_DTYPE_FP8_E4M3 ? "fp8" : "bf16";
     int fp8 = c->dtype == HEP_DTYPE_FP8_E4M3;
 
