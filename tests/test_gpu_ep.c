@@ -451,6 +451,79 @@ static void gpu_dispatch_times_out_naming_the_rank_that_never_called(void **stat
     ep_case_free(&c);
 }
 
+/* Across nodes: rank 3 never calls. Its peer (rank 1) waits for its slot, its node-mate
+ * (rank 2) for its counts; rank 0 waits for rank 1, which gave up on rank 3: every rank
+ * that waited names rank 3. */
+static void gpu_virtual_nodes_time_out_naming_the_missing_rank_on_every_rank(void **state)
+{
+    static ep_case c;
+    rank_ctx ctx[4];
+    (void)state;
+    if (!have_gpu() || small_only())
+        skip();
+    setenv("HEP_TIMEOUT_MS", "1500", 1);
+    hep_env_reload();
+    memset(&c, 0, sizeof(c));
+    c.cfg = gcfg(512, 32, 2, 2, HEP_DTYPE_BF16, 2);
+    c.cfg.backend = HEP_BACKEND_GPU;
+    c.world = 4;
+    c.K = 2;
+    c.skip_rank = 3;
+    ep_case_random(&c, 9, 0);
+    assert_int_equal(run_ranks(4, run_rank_gpu, &c, ctx), 0);
+    unsetenv("HEP_TIMEOUT_MS");
+    hep_env_reload();
+    for (int r = 0; r < 3; r++) {
+        print_message("rank %d: %s\n", r, c.out[r].err);
+        assert_int_equal(c.out[r].rc_dispatch, HEP_ERR_TIMEOUT);
+        assert_non_null(strstr(c.out[r].err, "rank 3 did not arrive"));
+    }
+    ep_case_free(&c);
+}
+
+/* Across nodes the proxy posts each call's writes: capturing a call is refused, clearly. */
+static int capture_rank(rank_ctx *r)
+{
+    hep_config c = gcfg(256, 16, 2, 2, HEP_DTYPE_BF16, 1);
+    hep_group *g = NULL;
+    cudaStream_t st;
+    cudaGraph_t graph = NULL;
+    hep_dispatch_args da;
+    hep_dispatch_result dr;
+    int rc;
+    cudaSetDevice(0);
+    if ((rc = hep_group_create(&c, &r->bs, 0, &g)))
+        return rc;
+    cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+    memset(&da, 0, sizeof(da));
+    da.topk = 2;
+    da.stream = st;
+    da.flags = HEP_ASYNC;
+    cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal);
+    rc = hep_dispatch(g, &da, &dr);
+    snprintf(r->err, sizeof(r->err), "%s", rc ? hep_last_error() : "");
+    cudaStreamEndCapture(st, &graph);
+    if (graph)
+        cudaGraphDestroy(graph);
+    cudaStreamDestroy(st);
+    hep_group_destroy(g);
+    return rc == HEP_ERR_UNAVAILABLE ? 0 : -1;
+}
+
+static void gpu_virtual_nodes_refuse_graph_capture_with_the_reason(void **state)
+{
+    rank_ctx ctx[2];
+    (void)state;
+    if (!have_gpu())
+        skip();
+    assert_int_equal(run_ranks(2, capture_rank, NULL, ctx), 0);
+    for (int r = 0; r < 2; r++) {
+        print_message("rank %d: %s\n", r, ctx[r].err);
+        assert_int_equal(ctx[r].rc, 0);
+        assert_non_null(strstr(ctx[r].err, "cannot be captured into a CUDA graph"));
+    }
+}
+
 static void gpu_real_dmabuf_export_of_odd_sizes_covers_enclosing_pages(void **state)
 {
     const hep_gpu_mr_ops *real = hep_gpu_mr_real_ops();
@@ -624,6 +697,8 @@ int main(void)
         cmocka_unit_test(gpu_virtual_nodes_match_host_backend_over_loopback_nic_with_dmabuf),
         cmocka_unit_test(gpu_graph_replay_gives_the_eager_results),
         cmocka_unit_test(gpu_dispatch_times_out_naming_the_rank_that_never_called),
+        cmocka_unit_test(gpu_virtual_nodes_time_out_naming_the_missing_rank_on_every_rank),
+        cmocka_unit_test(gpu_virtual_nodes_refuse_graph_capture_with_the_reason),
         cmocka_unit_test(gpu_real_dmabuf_export_of_odd_sizes_covers_enclosing_pages),
         cmocka_unit_test(gpu_two_virtual_nodes_register_device_buffers_through_real_dmabuf),
         cmocka_unit_test(gpu_create_destroy_100_times_leaks_no_device_memory_fd_or_thread),

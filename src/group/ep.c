@@ -177,11 +177,19 @@ static int diag_status(hep_group *g, const char *call)
     hep_diag *d = (hep_diag *)(g->arena[HEP_ARENA_MAPPED] + g->plan.buf[HEP_BUF_DIAG].offset);
     if (d->timeout_claimed) {
         int peer = d->peer; /* a global rank */
-        snprintf(g->broken_msg, sizeof(g->broken_msg),
-                 "%s timed out on rank %d after %.0f ms (HEP_TIMEOUT_MS) in %s, block %d: waited "
-                 "for rank %d, expected %llu, saw %llu: rank %d did not arrive",
-                 call, g->rank, (double)d->waited_ns / 1e6, stage_name(d->stage), d->block, peer,
-                 d->expected, d->seen, peer);
+        if (d->via_plus1)
+            snprintf(g->broken_msg, sizeof(g->broken_msg),
+                     "%s timed out on rank %d after %.0f ms in %s, block %d: it waited for rank "
+                     "%d, which had given up waiting for rank %d (HEP_TIMEOUT_MS): rank %d did "
+                     "not arrive",
+                     call, g->rank, (double)d->waited_ns / 1e6, stage_name(d->stage), d->block,
+                     d->via_plus1 - 1, peer, peer);
+        else
+            snprintf(g->broken_msg, sizeof(g->broken_msg),
+                     "%s timed out on rank %d after %.0f ms (HEP_TIMEOUT_MS) in %s, block %d: "
+                     "waited for rank %d, expected %llu, saw %llu: rank %d did not arrive",
+                     call, g->rank, (double)d->waited_ns / 1e6, stage_name(d->stage), d->block,
+                     peer, d->expected, d->seen, peer);
         g->broken = 1;
         return hep_fail(HEP_ERR_TIMEOUT, "%s", g->broken_msg);
     }

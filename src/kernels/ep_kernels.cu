@@ -57,8 +57,12 @@ __device__ __forceinline__ unsigned long long ld_relaxed(const unsigned long lon
     return v;
 }
 
+// `blame` (or NULL): the waited-for node-mate's blame word. A rank whose wait expired
+// writes there whom it waited for, so that a node-mate waiting on it names that rank, not
+// the one that merely stopped.
 __device__ bool wait_geq_s(const hep_kargs &a, const unsigned long long *flag,
-                           unsigned long long expect, int stage, int peer, unsigned scale)
+                           unsigned long long expect, int stage, int peer, unsigned scale,
+                           const unsigned long long *blame)
 {
     // Poll with relaxed loads and a growing sleep (a tight loop of system-scope acquire
     // loads slows the other blocks' memory traffic); one acquire fence once it is seen.
@@ -70,17 +74,21 @@ __device__ bool wait_geq_s(const hep_kargs &a, const unsigned long long *flag,
             sleep_ns <<= 1;
         if ((++spins & 15) == 0) {
             unsigned long long waited = now_ns() - start;
+            unsigned long long culprit = blame ? ld_relaxed(blame) : 0;
             if (aborted(a))
                 return false;
-            if (waited > a.timeout_ns * scale) {
+            if (waited > a.timeout_ns * scale || culprit) {
                 if (atomicCAS(&a.diag->timeout_claimed, 0u, 1u) == 0u) {
                     a.diag->stage = stage;
                     a.diag->block = blockIdx.x;
-                    a.diag->peer = peer;
+                    a.diag->peer = culprit ? (int)(culprit - 1) : peer;
+                    a.diag->via_plus1 = culprit ? peer + 1 : 0;
                     a.diag->expected = expect;
                     a.diag->seen = seen;
                     a.diag->waited_ns = waited;
                     __threadfence_system();
+                    st_release(a.flags[a.local] + HEP_FLAG_BLAME,
+                               culprit ? culprit : (unsigned long long)peer + 1);
                 }
                 return false;
             }
@@ -94,7 +102,15 @@ __device__ bool wait_geq_s(const hep_kargs &a, const unsigned long long *flag,
 __device__ __forceinline__ bool wait_geq(const hep_kargs &a, const unsigned long long *flag,
                                          unsigned long long expect, int stage, int peer)
 {
-    return wait_geq_s(a, flag, expect, stage, peer, 1);
+    return wait_geq_s(a, flag, expect, stage, peer, 1, NULL);
+}
+
+// A wait on node-mate `mate`'s flag word: names whom that mate was stuck on, if it was.
+__device__ __forceinline__ bool wait_mate(const hep_kargs &a, const unsigned long long *flag,
+                                          unsigned long long expect, int stage, int mate)
+{
+    return wait_geq_s(a, flag, expect, stage, a.rank0 + mate, 1,
+                      a.flags[mate] + HEP_FLAG_BLAME);
 }
 
 __device__ __forceinline__ long long topk_at(const hep_kargs &a, int i, int k)
@@ -163,7 +179,7 @@ __device__ __forceinline__ int grid_wait(const hep_kargs &a, unsigned long long 
 {
     __shared__ int ok;
     if (threadIdx.x == 0)
-        ok = wait_geq_s(a, ctr, expect, HEP_STAGE_PREPROCESS, a.rank0 + a.local, 2);
+        ok = wait_geq_s(a, ctr, expect, HEP_STAGE_PREPROCESS, a.rank0 + a.local, 2, NULL);
     __syncthreads();
     return ok;
 }
@@ -623,8 +639,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
             st_release(a.flags[a.local] + HEP_FLAG_COUNTS_READY, e);
         }
         if (tid < R)
-            wait_geq(a, a.flags[tid] + HEP_FLAG_COUNTS_READY, e, HEP_STAGE_PREPROCESS,
-                     a.rank0 + tid);
+            wait_mate(a, a.flags[tid] + HEP_FLAG_COUNTS_READY, e, HEP_STAGE_PREPROCESS, tid);
         __syncthreads();
         if (aborted(a))
             return;
@@ -695,8 +710,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
             red_add_release(a.flags[d] + HEP_FLAG_DISPATCH_ARRIVE + a.local, 1ull);
     }
     if (b == 0 && tid < R)
-        wait_geq(a, a.flags[a.local] + HEP_FLAG_DISPATCH_ARRIVE + tid,
-                 e * (unsigned long long)S, HEP_STAGE_DISPATCH, a.rank0 + tid);
+        wait_mate(a, a.flags[a.local] + HEP_FLAG_DISPATCH_ARRIVE + tid,
+                  e * (unsigned long long)S, HEP_STAGE_DISPATCH, tid);
 }
 
 extern "C" size_t hep_dispatch_smem(int N, int R, int El)
@@ -831,7 +846,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
         st_release(a.flags[a.local] + HEP_FLAG_COMBINE_READY, e);
     }
     if (tid < R)
-        wait_geq(a, a.flags[tid] + HEP_FLAG_COMBINE_READY, e, HEP_STAGE_COMBINE, a.rank0 + tid);
+        wait_mate(a, a.flags[tid] + HEP_FLAG_COMBINE_READY, e, HEP_STAGE_COMBINE, tid);
     __syncthreads();
     if (aborted(a))
         return;

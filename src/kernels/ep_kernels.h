@@ -25,7 +25,8 @@
 /* Layout of a rank's flags buffer (u64 monotonic counters), in words. */
 #define HEP_FLAG_COUNTS_READY 0     /* this rank published its counts for call e */
 #define HEP_FLAG_COMBINE_READY 8    /* this rank's combine input rows are in place for call e */
-#define HEP_FLAG_HOST_DONE 9        /* host backend: this rank finished reading, call e */
+#define HEP_FLAG_HOST_DONE 9        /* host backend: this rank finished reading, call e (dispatch; + 1: combine) */
+#define HEP_FLAG_BLAME 11           /* 0, or 1 + the rank this rank's kernels gave up on */
 #define HEP_FLAG_DISPATCH_ARRIVE 16 /* [W]: blocks of source s that finished writing here */
 
 /* Layout of the proxy's ready counters (host-mapped u64), per phase (0 dispatch, 1
@@ -56,6 +57,7 @@ typedef struct hep_diag {
     long long bad_value;
     unsigned long long t_start, t_layout; /* %globaltimer of the last dispatch: kernel start,
                                              layout ready (the preprocess part) */
+    int via_plus1;                /* 0, or 1 + the node-mate that had given up on `peer` */
 } hep_diag;
 
 typedef struct hep_kargs {
