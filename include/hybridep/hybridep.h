@@ -43,7 +43,8 @@ typedef struct hep_config {
     int dispatch_sms;     /* SMs (thread blocks) of one rank's dispatch kernel, 1..132.
                              Default 16. All co-located ranks of a GPU must fit together. */
     int combine_sms;      /* likewise for combine. Default 16. */
-    int chunk_tokens;     /* C: tokens per chunk, the unit of signalling, 1..4096. Default 128. */
+    int chunk_tokens;     /* C: 1..4096, default 128. Reserved: the inter-node path signals
+                             per kernel block's share of a slot instead (see the README). */
     hep_backend backend;  /* GPU kernels (default) or the host backend (host memory, threads;
                              the reference semantics, and the CPU-only path). */
 } hep_config;
@@ -93,8 +94,10 @@ int hep_group_get_info(const hep_group *g, hep_group_info *info);
 typedef enum { HEP_INDEX_INT32 = 0, HEP_INDEX_INT64 = 1 } hep_index_type;
 
 /* Flags of dispatch/combine. */
-#define HEP_ASYNC 1u /* do not wait for the stream: no host synchronization (graph capture);
-                        counts are only on the device; errors surface at hep_group_sync */
+#define HEP_ASYNC 1u /* do not wait for the stream: no host synchronization (graph capture
+                        with one node; across nodes the CPU proxy posts each call's writes,
+                        so capture is refused with HEP_ERR_UNAVAILABLE); counts are only on
+                        the device; errors surface at hep_group_sync */
 
 typedef struct hep_dispatch_args {
     int num_tokens;            /* t, 0..max_tokens */
@@ -124,7 +127,9 @@ typedef struct hep_dispatch_result {
 /* Dispatch this rank's tokens. Outputs stay valid until the next hep_combine.
  * Errors: HEP_ERR_INVALID (NULL pointers, t > T, topk > max_topk, an expert id out of
  * range, misaligned rows), HEP_ERR_TIMEOUT (a rank did not arrive within HEP_TIMEOUT_MS;
- * the message names it; the group cannot be used afterwards), HEP_ERR_CUDA. */
+ * the message names it; the group cannot be used afterwards), HEP_ERR_VERBS (a network
+ * write failed: peer, buffer and NIC text), HEP_ERR_UNAVAILABLE (graph capture across
+ * nodes), HEP_ERR_CUDA. */
 int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *out);
 
 typedef struct hep_combine_args {

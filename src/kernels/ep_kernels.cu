@@ -77,7 +77,9 @@ __device__ bool wait_geq_s(const hep_kargs &a, const unsigned long long *flag,
             unsigned long long culprit = blame ? ld_relaxed(blame) : 0;
             if (aborted(a))
                 return false;
-            if (waited > a.timeout_ns * scale || culprit) {
+            /* a wait on a node-mate runs an eighth longer: when the mate waits on a
+             * missing rank itself, its blame arrives before this wait gives up */
+            if (waited > a.timeout_ns * scale + (blame ? a.timeout_ns / 8 : 0) || culprit) {
                 if (atomicCAS(&a.diag->timeout_claimed, 0u, 1u) == 0u) {
                     a.diag->stage = stage;
                     a.diag->block = blockIdx.x;

@@ -1,4 +1,6 @@
-/* kernels/ep_kernels.h: the intra-node dispatch/combine kernels, called from C.
+/* kernels/ep_kernels.h: the dispatch/combine kernels, called from C. With N > 1 nodes a
+ * rank forwards N token lists (its own, then each other node's slot) the way one node
+ * forwards its single list; docs/architecture.md has the inter-node steps.
  *
  * Protocol (all counters monotonic, never reset; e = this rank's call count, kept on the
  * device so graph replays advance it):

@@ -5,11 +5,11 @@
  * N > 1 it runs the hierarchical path through the RDMA coordinator's NIC (the loopback NIC
  * in one process) and the CPU proxy, which makes it the tested wire protocol of that path.
  *
- * Dispatch, on rank (n, l): its tokens, their routing (top-k ids and weights) and FP8
- * scales are staged in the registered dispatch.attn_input_*; for every other node m that
- * hosts one of a token's experts, the token goes once, packed in source order, into the
- * peer (m, l)'s dispatch.rdma_inter_node_group_* slot for n, followed by the count and
- * then the flag (RC order). Every rank then pulls, in [source node][source local][token]
+ * Dispatch, on rank (n, l): for every other node m, the tokens that need m (one of their
+ * experts is there), with their routing (top-k ids and weights) and FP8 scales, are packed
+ * in source order into send slot j(m) of the registered dispatch.attn_input_* and go, one
+ * write per buffer, into the peer (m, l)'s dispatch.rdma_inter_node_group_* slot for n,
+ * followed by the count and then the flag (RC order). Every rank then pulls, in [source node][source local][token]
  * order, what its experts need: from a node-mate's inputs for its own node, from a
  * node-mate's slot for the other nodes (after that slot's flag).
  * Combine: the peer (m, l) sums, per token of its slot for n, the rows of its node-mates
