@@ -203,6 +203,61 @@ static void proxy_refused_write_fails_the_batch_naming_peer_and_buffer(void **st
     assert_non_null(strstr(hep_last_error(), "outside its registration"));
 }
 
+/* A NIC whose completions fail the way a real one reports it (the verbs NIC's text for a
+ * work completion with an error status): the batch fails naming the buffer and peer. */
+typedef struct failing_nic {
+    hep_net net;
+    uint64_t wr[8];
+    int n;
+} failing_nic;
+
+static int fn_write(hep_net *n, int peer, uint32_t lkey, uint64_t laddr, uint32_t rkey,
+                    uint64_t raddr, size_t len, uint64_t wr_id)
+{
+    failing_nic *f = (failing_nic *)n;
+    (void)peer, (void)lkey, (void)laddr, (void)rkey, (void)raddr, (void)len;
+    f->wr[f->n++ % 8] = wr_id;
+    return HEP_OK;
+}
+
+static int fn_poll(hep_net *n, hep_net_completion *out, int max)
+{
+    failing_nic *f = (failing_nic *)n;
+    int k = 0;
+    for (; k < f->n && k < max; k++) {
+        out[k].wr_id = f->wr[k];
+        out[k].peer = 2;
+        out[k].status = hep_fail(HEP_ERR_VERBS, "RDMA write to rank 2 failed on mlx5_0 QP 0x1a2: "
+                                                "remote access error (wr_id %llu)",
+                                 (unsigned long long)f->wr[k]);
+    }
+    f->n = 0;
+    return k;
+}
+
+static const hep_net_vtbl fn_vtbl = {"failing", NULL, fn_write, fn_poll, NULL};
+
+static void proxy_failed_completion_names_buffer_peer_and_nic_text(void **state)
+{
+    fixture *f = *state;
+    failing_nic nic;
+    hep_proxy *p = NULL;
+    hep_proxy_chunk c = chunk(f, 0, 0, 0);
+    memset(&nic, 0, sizeof(nic));
+    nic.net.v = &fn_vtbl;
+    nic.net.rank = 0;
+    nic.net.world = 4;
+    c.name = "combine.rdma_intra_node_red_token";
+    c.flag = 0;
+    publish(f, 0, 1);
+    assert_int_equal(hep_proxy_create(&nic.net, &p), 0);
+    assert_int_equal(hep_proxy_submit(p, &c, 1, 1), 0);
+    assert_int_equal(hep_proxy_wait(p), HEP_ERR_VERBS);
+    assert_non_null(strstr(hep_last_error(), "'combine.rdma_intra_node_red_token' to rank 2"));
+    assert_non_null(strstr(hep_last_error(), "QP 0x1a2: remote access error"));
+    hep_proxy_destroy(p);
+}
+
 static void proxy_times_out_naming_the_chunk_whose_producer_never_published(void **state)
 {
     fixture *f = *state;
@@ -258,6 +313,8 @@ int main(void)
                                         setup, teardown),
         cmocka_unit_test_setup_teardown(
             proxy_takes_extents_from_the_producer_and_fences_the_slot_flag, setup, teardown),
+        cmocka_unit_test_setup_teardown(
+            proxy_failed_completion_names_buffer_peer_and_nic_text, setup, teardown),
         cmocka_unit_test_setup_teardown(proxy_refused_write_fails_the_batch_naming_peer_and_buffer,
                                         setup, teardown),
         cmocka_unit_test_setup_teardown(

@@ -9,6 +9,8 @@
 #include <infiniband/verbs.h>
 
 #include "core/core.h"
+#include "ep_case.h"
+#include "fake_mr.h"
 #include "mr/mr.h"
 #include "net/net.h"
 #include "ranks.h"
@@ -91,6 +93,40 @@ static int one_path(int gpu, int mode, const char *label)
     return bad;
 }
 
+/* The hierarchical dispatch and combine of the virtual-node tests, over the real NIC:
+ * 2 nodes x 2 ranks of this process on the host backend, against the oracle. (The GPU
+ * tests' virtual nodes take the real NIC by themselves where one exists: HEP_NIC=auto
+ * uses the loopback NIC only when there is no RDMA device.) */
+static int internode_over_real_nic(hep_backend backend, hep_dtype dt, const char *label)
+{
+    static ep_case c;
+    int bad;
+    memset(&c, 0, sizeof(c));
+    c.cfg = test_config(512, 64, 4, 8, dt);
+    c.cfg.ranks_per_node = 2;
+    c.cfg.backend = backend;
+    c.world = 4;
+    c.K = 8;
+    c.skip_rank = -1;
+    c.repeat = 2;
+    ep_case_random(&c, 1234u, EP_ROUTE_NODES);
+    setenv("HEP_NIC", "verbs", 1);
+    hep_env_reload();
+    bad = ep_case_run(&c) != 0;
+    for (int r = 0; r < c.world; r++)
+        if (c.out[r].rc_dispatch || c.out[r].rc_combine) {
+            printf("%s: rank %d: %s\n", label, r, c.out[r].err);
+            bad = 1;
+        }
+    if (!bad)
+        bad = ep_case_check(&c) != 0;
+    unsetenv("HEP_NIC");
+    hep_env_reload();
+    printf("%s: %s\n", label, bad ? "FAILED" : "ok (equal to the oracle)");
+    ep_case_free(&c);
+    return bad;
+}
+
 int main(void)
 {
     int n = hep_verbs_device_count(), gpus = 0, bad = 0, runs = 0;
@@ -106,6 +142,10 @@ int main(void)
         bad += one_path(1, HEP_MR_MODE_LEGACY, "GPU memory, legacy ibv_reg_mr"), runs++;
         bad += one_path(1, HEP_MR_MODE_DMABUF, "GPU memory, DMA-BUF"), runs++;
     }
+    bad += internode_over_real_nic(HEP_BACKEND_HOST, HEP_DTYPE_BF16,
+                                   "2 x 2 nodes, host backend, BF16"), runs++;
+    bad += internode_over_real_nic(HEP_BACKEND_HOST, HEP_DTYPE_FP8_E4M3,
+                                   "2 x 2 nodes, host backend, FP8"), runs++;
     printf("%d passed, %d failed\n", runs - bad, bad);
     return bad ? 1 : 0;
 }

@@ -167,8 +167,12 @@ static int step(hep_proxy *p)
         }
         if (done[k].status) {
             char m[1024];
-            snprintf(m, sizeof(m), "proxy of rank %d: a write to rank %d failed: %s",
-                     p->net->rank, done[k].peer, hep_last_error());
+            uint64_t ci = id >= FLAG_WR ? id - FLAG_WR : id;
+            const char *name = ci < (uint64_t)p->n && p->chunks[ci].name ? p->chunks[ci].name
+                                                                          : "?";
+            snprintf(m, sizeof(m), "proxy of rank %d: %s of '%s' to rank %d failed: %s",
+                     p->net->rank, id >= FLAG_WR ? "the flag write" : "a write", name,
+                     done[k].peer, hep_last_error());
             batch_fail(p, done[k].status, m);
         }
         did = 1;
