@@ -303,34 +303,10 @@ static hep_config gcfg(int H, int T, int El, int K, hep_dtype dt, int R)
     return c;
 }
 
-static void one_case(int R, hep_dtype dt, int skew, int index64, int zero_copy, int tmode,
+/* N nodes x R ranks on the one GPU (N > 1: over the loopback NIC, with the registrations
+ * HEP_GPU_MR_MODE asks for), against the host backend and the oracle. */
+static void gpu_case(int N, int R, hep_dtype dt, int skew, int index64, int zero_copy, int tmode,
                      unsigned seed, int H, int T)
-{
-    static ep_case c;
-    char label[160];
-    memset(&c, 0, sizeof(c));
-    c.cfg = gcfg(H, T, 4, 8, dt, R);
-    c.world = R;
-    c.K = 8;
-    c.index64 = index64;
-    c.zero_copy = zero_copy;
-    c.skip_rank = -1;
-    c.repeat = 2;
-    c.has_t_fixed = tmode >= 0;
-    c.t_fixed = tmode == 1 ? T : 0;
-    ep_case_random(&c, seed, skew);
-    snprintf(label, sizeof(label), "R=%d %s %s %s %s t=%s H=%d T=%d seed=%u", R,
-             dt == HEP_DTYPE_FP8_E4M3 ? "fp8" : "bf16", skew ? "skewed" : "uniform",
-             index64 ? "int64" : "int32", zero_copy ? "zero-copy" : "copy",
-             tmode < 0 ? "random" : tmode ? "T" : "0", H, T, seed);
-    assert_int_equal(run_gpu_and_host(&c, label), 0);
-    ep_case_free(&c);
-}
-
-/* N virtual nodes x R ranks on the one GPU, over the loopback NIC with real DMA-BUF
- * registrations, against the host backend (its own wire protocol run) and the oracle. */
-static void node_case(int N, int R, hep_dtype dt, int index64, int tmode, unsigned seed, int H,
-                      int T)
 {
     static ep_case c;
     char label[160];
@@ -340,16 +316,31 @@ static void node_case(int N, int R, hep_dtype dt, int index64, int tmode, unsign
     c.world = N * R;
     c.K = 8;
     c.index64 = index64;
+    c.zero_copy = zero_copy;
     c.skip_rank = -1;
     c.repeat = 2;
     c.has_t_fixed = tmode >= 0;
     c.t_fixed = tmode == 1 ? T : 0;
-    ep_case_random(&c, seed, EP_ROUTE_NODES);
-    snprintf(label, sizeof(label), "%d nodes x %d ranks %s %s t=%s H=%d T=%d seed=%u", N, R,
-             dt == HEP_DTYPE_FP8_E4M3 ? "fp8" : "bf16", index64 ? "int64" : "int32",
+    ep_case_random(&c, seed, skew);
+    snprintf(label, sizeof(label), "%d node%s x %d ranks %s %s %s %s t=%s H=%d T=%d seed=%u", N,
+             N > 1 ? "s" : "", R, dt == HEP_DTYPE_FP8_E4M3 ? "fp8" : "bf16",
+             skew == EP_ROUTE_NODES ? "node-mixed" : skew ? "skewed" : "uniform",
+             index64 ? "int64" : "int32", zero_copy ? "zero-copy" : "copy",
              tmode < 0 ? "random" : tmode ? "T" : "0", H, T, seed);
     assert_int_equal(run_gpu_and_host(&c, label), 0);
     ep_case_free(&c);
+}
+
+static void one_case(int R, hep_dtype dt, int skew, int index64, int zero_copy, int tmode,
+                     unsigned seed, int H, int T)
+{
+    gpu_case(1, R, dt, skew, index64, zero_copy, tmode, seed, H, T);
+}
+
+static void node_case(int N, int R, hep_dtype dt, int index64, int tmode, unsigned seed, int H,
+                      int T)
+{
+    gpu_case(N, R, dt, EP_ROUTE_NODES, index64, 0, tmode, seed, H, T);
 }
 
 static unsigned fresh_seed(void)
@@ -422,33 +413,42 @@ static void gpu_graph_replay_gives_the_eager_results(void **state)
     ep_case_free(&c);
 }
 
-static void gpu_dispatch_times_out_naming_the_rank_that_never_called(void **state)
+/* 4 ranks, R per node; rank `missing` never calls dispatch: every other rank must time
+ * out naming it. */
+static void missing_rank_case(int R, int missing, unsigned seed)
 {
     static ep_case c;
     rank_ctx ctx[4];
-    (void)state;
-    if (!have_gpu() || small_only()) /* small: under compute-sanitizer, where time stretches */
-        skip();
+    char want[64];
     setenv("HEP_TIMEOUT_MS", "1500", 1);
     hep_env_reload();
     memset(&c, 0, sizeof(c));
-    c.cfg = gcfg(512, 32, 2, 2, HEP_DTYPE_BF16, 4);
+    c.cfg = gcfg(512, 32, 2, 2, HEP_DTYPE_BF16, R);
     c.cfg.backend = HEP_BACKEND_GPU;
     c.world = 4;
     c.K = 2;
-    c.skip_rank = 2;
-    ep_case_random(&c, 5, 0);
+    c.skip_rank = missing;
+    ep_case_random(&c, seed, 0);
     assert_int_equal(run_ranks(4, run_rank_gpu, &c, ctx), 0);
     unsetenv("HEP_TIMEOUT_MS");
     hep_env_reload();
+    snprintf(want, sizeof(want), "rank %d did not arrive", missing);
     for (int r = 0; r < 4; r++) {
-        if (r == 2)
+        if (r == missing)
             continue;
         print_message("rank %d: %s\n", r, c.out[r].err);
         assert_int_equal(c.out[r].rc_dispatch, HEP_ERR_TIMEOUT);
-        assert_non_null(strstr(c.out[r].err, "rank 2 did not arrive"));
+        assert_non_null(strstr(c.out[r].err, want));
     }
     ep_case_free(&c);
+}
+
+static void gpu_dispatch_times_out_naming_the_rank_that_never_called(void **state)
+{
+    (void)state;
+    if (!have_gpu() || small_only()) /* small: under compute-sanitizer, where time stretches */
+        skip();
+    missing_rank_case(4, 2, 5);
 }
 
 /* Across nodes: rank 3 never calls. Its peer (rank 1) waits for its slot, its node-mate
@@ -456,29 +456,10 @@ static void gpu_dispatch_times_out_naming_the_rank_that_never_called(void **stat
  * that waited names rank 3. */
 static void gpu_virtual_nodes_time_out_naming_the_missing_rank_on_every_rank(void **state)
 {
-    static ep_case c;
-    rank_ctx ctx[4];
     (void)state;
     if (!have_gpu() || small_only())
         skip();
-    setenv("HEP_TIMEOUT_MS", "1500", 1);
-    hep_env_reload();
-    memset(&c, 0, sizeof(c));
-    c.cfg = gcfg(512, 32, 2, 2, HEP_DTYPE_BF16, 2);
-    c.cfg.backend = HEP_BACKEND_GPU;
-    c.world = 4;
-    c.K = 2;
-    c.skip_rank = 3;
-    ep_case_random(&c, 9, 0);
-    assert_int_equal(run_ranks(4, run_rank_gpu, &c, ctx), 0);
-    unsetenv("HEP_TIMEOUT_MS");
-    hep_env_reload();
-    for (int r = 0; r < 3; r++) {
-        print_message("rank %d: %s\n", r, c.out[r].err);
-        assert_int_equal(c.out[r].rc_dispatch, HEP_ERR_TIMEOUT);
-        assert_non_null(strstr(c.out[r].err, "rank 3 did not arrive"));
-    }
-    ep_case_free(&c);
+    missing_rank_case(2, 3, 9);
 }
 
 /* Across nodes the proxy posts each call's writes: capturing a call is refused, clearly. */

@@ -203,6 +203,38 @@ __device__ __forceinline__ bool wait_slots(const hep_kargs &a, const unsigned lo
     return ok;
 }
 
+// One tile of blockDim.x tokens, each thread holding a mask of n bits for its token: the
+// token's position among the block's tokens with bit d (earlier tiles counted in run[d])
+// goes to out[d], -1 where the bit is clear. wcnt holds [32 warps][n].
+__device__ __forceinline__ void tile_positions(unsigned mask, int n, bool valid, int *out,
+                                               int *wcnt, int *run)
+{
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    const unsigned lt = (1u << lane) - 1u;
+    for (int d = 0; d < n; d++) {
+        unsigned bl = __ballot_sync(FULL, (mask >> d) & 1u);
+        if (lane == 0)
+            wcnt[warp * n + d] = __popc(bl);
+    }
+    __syncthreads();
+    if (tid < n) {
+        int r = run[tid];
+        for (int w = 0; w < nwarps; w++) {
+            int c = wcnt[w * n + tid];
+            wcnt[w * n + tid] = r;
+            r += c;
+        }
+        run[tid] = r;
+    }
+    __syncthreads();
+    for (int d = 0; d < n; d++) {
+        unsigned bit = (mask >> d) & 1u, bl = __ballot_sync(FULL, bit);
+        if (valid)
+            out[d] = bit ? wcnt[warp * n + d] + __popc(bl & lt) : -1;
+    }
+    __syncthreads();
+}
+
 // ---------------------------------------------------------------- node pack (N > 1)
 // Own token i goes to node m's send slot (once, if any of its experts is there) at row
 // node_pos[i][m] = rows of node m of the tokens before it. Block b publishes its rows
@@ -216,7 +248,6 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_node_pack(hep_kargs a)
     const size_t CBW = HEP_COUNT_BLOCK_WORDS((size_t)R, (size_t)El);
     const int nwarps = blockDim.x >> 5, S = gridDim.x, b = blockIdx.x;
     const long long Enode = (long long)a.El * a.R, E = Enode * N;
-    const unsigned lt = (1u << lane) - 1u;
     __shared__ int wcnt[32][HEP_GPU_MAX_NODES], run[HEP_GPU_MAX_NODES], pre[HEP_GPU_MAX_NODES];
     __shared__ unsigned long long s_epoch;
     __shared__ int s_last;
@@ -258,28 +289,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_node_pack(hep_kargs a)
                 if (!dup)
                     atomicAdd(c + 1 + (int)(x % El), 1);
             }
-        for (int m = 0; m < N; m++) {
-            unsigned bl = __ballot_sync(FULL, (mask >> m) & 1u);
-            if (lane == 0)
-                wcnt[warp][m] = __popc(bl);
-        }
-        __syncthreads();
-        if (tid < N) {
-            int r = run[tid];
-            for (int w = 0; w < nwarps; w++) {
-                int c = wcnt[w][tid];
-                wcnt[w][tid] = r;
-                r += c;
-            }
-            run[tid] = r;
-        }
-        __syncthreads();
-        for (int m = 0; m < N; m++) {
-            unsigned bit = (mask >> m) & 1u, bl = __ballot_sync(FULL, bit);
-            if (i < t1)
-                a.node_pos[(size_t)i * N + m] = bit ? wcnt[warp][m] + __popc(bl & lt) : -1;
-        }
-        __syncthreads();
+        tile_positions(mask, N, i < t1, a.node_pos + (size_t)i * N, &wcnt[0][0], run);
     }
     if (tid < N)
         a.node_blocks[(size_t)b * N + tid] = run[tid];
@@ -404,10 +414,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_node_pack(hep_kargs a)
 __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool count, int *cnt,
                           int *wcnt, int *run, int *mine)
 {
-    const int R = a.R, El = a.El, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int nwarps = blockDim.x >> 5, S = gridDim.x, b = blockIdx.x;
+    const int R = a.R, El = a.El, tid = threadIdx.x, S = gridDim.x, b = blockIdx.x;
     const long long E = (long long)El * R * a.N, first = (long long)a.rank0 * El;
-    const unsigned lt = (1u << lane) - 1u;
     const size_t T = (size_t)a.T, LW = (size_t)R * (El + 1);
     int t0, t1;
     block_range(v.t, b, S, t0, t1);
@@ -443,29 +451,7 @@ __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool count,
                     atomicAdd(&cnt[d * El + ex], 1);
             }
         }
-        for (int d = 0; d < R; d++) {
-            unsigned bl = __ballot_sync(FULL, (mask >> d) & 1u);
-            if (lane == 0)
-                wcnt[warp * R + d] = __popc(bl);
-        }
-        __syncthreads();
-        if (tid < R) {
-            int r = run[tid];
-            for (int w = 0; w < nwarps; w++) {
-                int c = wcnt[w * R + tid];
-                wcnt[w * R + tid] = r;
-                r += c;
-            }
-            run[tid] = r;
-        }
-        __syncthreads();
-        for (int d = 0; d < R; d++) {
-            unsigned bit = (mask >> d) & 1u, bl = __ballot_sync(FULL, bit);
-            if (i < t1)
-                a.dest_rows[((size_t)L * T + i) * R + d] =
-                    bit ? wcnt[warp * R + d] + __popc(bl & lt) : -1;
-        }
-        __syncthreads();
+        tile_positions(mask, R, i < t1, a.dest_rows + ((size_t)L * T + i) * R, wcnt, run);
     }
     if (count)
         for (int j = tid; j < R * El; j += blockDim.x)
