@@ -20,6 +20,7 @@ typedef struct lb_mr {
     uint64_t iova, base; /* [iova, iova + length) is reachable; byte iova + k is base + k */
     size_t length;
     int access, device, live;
+    int cuda_dev;        /* device memory: the GPU it is on */
 } lb_mr;
 
 typedef struct lb_nic {
@@ -44,13 +45,16 @@ static lb_nic *nic_of_pd(struct ibv_pd *pd)
     return (lb_nic *)((char *)pd - offsetof(lb_nic, pd));
 }
 
-static int is_device_memory(uint64_t addr)
+/* 1 for device (or managed) memory, with its GPU in *dev. */
+static int is_device_memory(uint64_t addr, int *dev)
 {
     struct cudaPointerAttributes a;
+    *dev = 0;
     if (cudaPointerGetAttributes(&a, (void *)(uintptr_t)addr) != cudaSuccess) {
         (void)cudaGetLastError();
         return 0;
     }
+    *dev = a.device;
     return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
 }
 
@@ -86,7 +90,7 @@ static struct ibv_mr *lb_register(struct ibv_pd *pd, uint64_t iova, uint64_t bas
     m->base = base;
     m->length = len;
     m->access = access;
-    m->device = is_device_memory(base);
+    m->device = is_device_memory(base, &m->cuda_dev);
     m->live = 1;
     m->mr.pd = pd;
     m->mr.lkey = key;
@@ -173,7 +177,9 @@ static int push_completion(lb_nic *n, uint64_t wr_id, int status, int peer)
     return HEP_OK;
 }
 
-static int lb_copy(lb_nic *n, void *dst, const void *src, size_t len, int device)
+/* device: copy with the copy engine of GPU `gpu` (the source's, where it is device
+ * memory), on the NIC's stream there. */
+static int lb_copy(lb_nic *n, void *dst, const void *src, size_t len, int device, int gpu)
 {
     cudaError_t e;
     if (!device) {
@@ -184,7 +190,10 @@ static int lb_copy(lb_nic *n, void *dst, const void *src, size_t len, int device
         return HEP_OK;
     }
     if (!n->have_stream) {
-        e = cudaStreamCreateWithFlags(&n->stream, cudaStreamNonBlocking);
+        /* the thread posting (the proxy) starts on GPU 0: a rank of another GPU copies there */
+        e = cudaSetDevice(gpu);
+        if (e == cudaSuccess)
+            e = cudaStreamCreateWithFlags(&n->stream, cudaStreamNonBlocking);
         if (e == cudaSuccess)
             e = cudaEventCreateWithFlags(&n->last, cudaEventDisableTiming);
         if (e != cudaSuccess)
@@ -236,7 +245,8 @@ static int lb_write(hep_net *net, int peer, uint32_t lkey, uint64_t laddr, uint3
                       "is outside its registration (remote access error)");
     d = (void *)(uintptr_t)(dst->base + (raddr - dst->iova));
     s = (void *)(uintptr_t)(src->base + (laddr - src->iova));
-    rc = lb_copy(n, d, s, len, src->device || dst->device);
+    rc = lb_copy(n, d, s, len, src->device || dst->device,
+                 src->device ? src->cuda_dev : dst->cuda_dev);
     if (rc)
         return rc;
     pthread_mutex_lock(&fabric.lock);
