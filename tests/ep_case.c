@@ -33,6 +33,19 @@ static long long id(const ep_case *c, int r, int i, int k)
     return c->index64 ? ((long long *)c->in[r].idx)[o] : ((int *)c->in[r].idx)[o];
 }
 
+int ep_case_dispatch(ep_case *c, ep_rank_out *o, hep_group *g, const hep_dispatch_args *da,
+                     hep_dispatch_result *dr)
+{
+    o->rc_dispatch = hep_dispatch(g, da, dr);
+    if (o->rc_dispatch)
+        snprintf(o->err, sizeof(o->err), "%s", hep_last_error());
+    if (o->rc_dispatch && o->rc_dispatch != HEP_ERR_INVALID) {
+        __atomic_add_fetch(&c->gave_up, 1, __ATOMIC_RELEASE);
+        return 1;
+    }
+    return 0;
+}
+
 static int run_rank(rank_ctx *rc)
 {
     ep_case *c = rc->arg;
@@ -67,14 +80,8 @@ static int run_rank(rank_ctx *rc)
         da.index_type = c->index64 ? HEP_INDEX_INT64 : HEP_INDEX_INT32;
         da.topk = c->K;
         da.topk_weights = in->weights;
-        o->rc_dispatch = hep_dispatch(g, &da, &dr);
-        if (o->rc_dispatch && o->rc_dispatch != HEP_ERR_INVALID) {
-            snprintf(o->err, sizeof(o->err), "%s", hep_last_error());
-            __atomic_add_fetch(&c->gave_up, 1, __ATOMIC_RELEASE);
+        if (ep_case_dispatch(c, o, g, &da, &dr))
             break;
-        }
-        if (o->rc_dispatch)
-            snprintf(o->err, sizeof(o->err), "%s", hep_last_error());
         o->num_recv = dr.num_recv;
         free(o->tokens), free(o->probs), free(o->scales), free(o->tpe), free(o->expert_out);
         free(o->combined);

@@ -39,6 +39,11 @@ typedef struct ep_case {
     ep_rank_out out[EP_MAX_RANKS];
 } ep_case;
 
+/* hep_dispatch on one rank of the case, its status and message recorded in o; a failure
+ * other than bad input counts the rank as given up. Returns 1 when the rank must stop. */
+int ep_case_dispatch(ep_case *c, ep_rank_out *o, hep_group *g, const hep_dispatch_args *da,
+                     hep_dispatch_result *dr);
+
 /* Runs the case (host backend unless cfg says otherwise). */
 int ep_case_run(ep_case *c);
 void ep_case_free(ep_case *c);

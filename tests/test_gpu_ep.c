@@ -173,14 +173,8 @@ static int run_rank_gpu(rank_ctx *rc)
             o->num_recv = dr.host_counts[0];
         } else {
             da.flags = 0;
-            o->rc_dispatch = hep_dispatch(g, &da, &dr);
-            if (o->rc_dispatch && o->rc_dispatch != HEP_ERR_INVALID) {
-                snprintf(o->err, sizeof(o->err), "%s", hep_last_error());
-                __atomic_add_fetch(&c->gave_up, 1, __ATOMIC_RELEASE);
+            if (ep_case_dispatch(c, o, g, &da, &dr))
                 break;
-            }
-            if (o->rc_dispatch)
-                snprintf(o->err, sizeof(o->err), "%s", hep_last_error());
             o->num_recv = dr.num_recv;
         }
         free(o->tokens), free(o->probs), free(o->scales), free(o->tpe);

@@ -57,6 +57,7 @@ typedef struct bench {
     hep_inproc_world *world;
     int verify_bad;
     double ceiling_gbs; /* device (or host) copy, read + write */
+    char nic[32];       /* N > 1: the NIC the proxy drove (rank 0's) */
     ceilings ceil;      /* device: copy, write-only, read-only */
     void *ref_event;    /* rank 0's reference event of the current iteration */
 } bench;
@@ -239,10 +240,26 @@ static hep_proxy_peer_stats net_now(hep_group *g)
         t.flag_wrs += x.flag_wrs;
         t.flags_done += x.flags_done;
         t.ready_to_flag_ns += x.ready_to_flag_ns;
-        if (x.ready_to_flag_max_ns > t.ready_to_flag_max_ns)
-            t.ready_to_flag_max_ns = x.ready_to_flag_max_ns;
     }
     return t;
+}
+
+/* Per rank and call in the timed iterations, for phase 0 (dispatch) or 1 (combine): bytes
+ * sent, work requests, mean ready-to-flag latency (us). */
+static void net_per_call(const bench *b, int phase, double *bytes, double *wrs, double *lat_us)
+{
+    double lat = 0, nflags = 0;
+    *bytes = *wrs = 0;
+    for (int r = 0; r < b->W; r++) {
+        const hep_proxy_peer_stats *n = &b->rd[r].net[phase];
+        *bytes += (double)n->bytes;
+        *wrs += (double)(n->data_wrs + n->flag_wrs);
+        lat += (double)n->ready_to_flag_ns;
+        nflags += (double)n->flags_done;
+    }
+    *bytes /= (double)b->W * b->o.iters;
+    *wrs /= (double)b->W * b->o.iters;
+    *lat_us = nflags ? lat / nflags / 1e3 : NAN;
 }
 
 /* acc += now - before */
@@ -277,6 +294,8 @@ static void *gpu_rank(void *p)
     hep_inproc_bootstrap(b->world, ta->rank, &bs);
     CKB(cudaSetDevice(dev));
     HCK(hep_group_create(&b->cfg, &bs, dev, &g));
+    if (ta->rank == 0 && g->coord)
+        snprintf(b->nic, sizeof(b->nic), "%s", g->coord->net->v->name);
     CKB(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     for (int k = 0; k < 7; k++)
         CKB(cudaEventCreate(&ev[k]));
@@ -673,13 +692,11 @@ static void report(const bench *b, const phase_row *ph, int n, const char *gpu_n
             json_num(&j, "write_bytes", ph[i].wbytes);
             json_num(&j, "mix_floor_ms", ph[i].bytes ? floor_ms(b, &ph[i]) : NAN);
             if (!o->host && o->nodes > 1 && i >= 1 && i <= 2) {
-                double bytes = 0, wrs = 0;
-                for (int r = 0; r < b->W; r++) {
-                    bytes += (double)b->rd[r].net[i - 1].bytes;
-                    wrs += (double)(b->rd[r].net[i - 1].data_wrs + b->rd[r].net[i - 1].flag_wrs);
-                }
-                json_num(&j, "network_bytes_per_rank", bytes / ((double)b->W * o->iters));
-                json_num(&j, "network_writes_per_rank", wrs / ((double)b->W * o->iters));
+                double bytes, wrs, lat;
+                net_per_call(b, i - 1, &bytes, &wrs, &lat);
+                json_num(&j, "network_bytes_per_rank", bytes);
+                json_num(&j, "network_writes_per_rank", wrs);
+                json_num(&j, "ready_to_flag_us", lat);
             }
             json_end_obj(&j);
         }
@@ -728,29 +745,23 @@ static void report(const bench *b, const phase_row *ph, int n, const char *gpu_n
     }
     if (!o->host && o->nodes > 1) { /* what crossed the (loopback) network */
         printf("network (%s NIC, %d nodes; per rank and call, medians' phase times):\n",
-               "loopback", o->nodes);
+               b->nic, o->nodes);
         printf("%-11s %14s %10s %10s %12s %16s\n", "phase", "bytes sent", "GB/s", "writes",
                "writes/s", "ready->flag us");
         for (int ph_i = 0; ph_i < 2; ph_i++) {
             const phase_row *pr = &ph[1 + ph_i];
-            double bytes = 0, wrs = 0, lat = 0, nflags = 0;
-            for (int r = 0; r < b->W; r++) {
-                bytes += (double)b->rd[r].net[ph_i].bytes;
-                wrs += (double)(b->rd[r].net[ph_i].data_wrs + b->rd[r].net[ph_i].flag_wrs);
-                lat += (double)b->rd[r].net[ph_i].ready_to_flag_ns;
-                nflags += (double)b->rd[r].net[ph_i].flags_done;
-            }
-            bytes /= (double)b->W * o->iters;
-            wrs /= (double)b->W * o->iters;
+            double bytes, wrs, lat;
+            net_per_call(b, ph_i, &bytes, &wrs, &lat);
             printf("%-11s %14.0f %10.1f %10.1f %12.0f %16.1f\n", pr->name, bytes,
-                   bytes / (pr->ms * 1e-3) / 1e9, wrs, wrs / (pr->ms * 1e-3),
-                   nflags ? lat / nflags / 1e3 : NAN);
+                   bytes / (pr->ms * 1e-3) / 1e9, wrs, wrs / (pr->ms * 1e-3), lat);
         }
         printf("network bytes: rows, routing and scales (dispatch) or partial sums (combine) "
                "the proxy wrote to other nodes, counts and flags excluded; writes = work "
                "requests (data and flags); ready->flag = from a slot seen complete by the "
-               "proxy to its flag's completion. The loopback NIC copies through this GPU's "
-               "copy engine: these are not line-rate figures.\n");
+               "proxy to its flag's completion.%s\n",
+               strcmp(b->nic, "loopback") ? ""
+                                          : " The loopback NIC copies through this GPU's copy "
+                                            "engine: these are not line-rate figures.");
     }
     if (!o->host)
         printf("preprocess = the layout step inside the dispatch kernel (in-kernel timer), "

@@ -40,13 +40,12 @@ int hep_ep_setup(hep_group *g)
     if (g->N > HEP_GPU_MAX_NODES)
         return hep_fail(HEP_ERR_INVALID, "the GPU kernels support up to %d nodes, not %d",
                         HEP_GPU_MAX_NODES, g->N);
-    if (hep_dispatch_smem(g->N, g->R, g->cfg.experts_per_rank) > 200 * 1024)
+    if (hep_dispatch_smem(g->R, g->cfg.experts_per_rank) > 200 * 1024)
         return hep_fail(HEP_ERR_INVALID,
                         "ranks_per_node x (experts_per_rank + 1) = %d x %d counters exceed the "
                         "dispatch kernel's shared memory",
                         g->R, g->cfg.experts_per_rank + 1);
-    if (g->N > 1 && sizeof(int) * (size_t)g->world * (size_t)(g->cfg.experts_per_rank + 1) >
-                        200 * 1024)
+    if (g->N > 1 && hep_node_pack_smem(g->N, g->R, g->cfg.experts_per_rank) > 200 * 1024)
         return hep_fail(HEP_ERR_INVALID,
                         "world x (experts_per_rank + 1) = %d x %d counters exceed the inter-node "
                         "pack kernel's shared memory",
@@ -235,16 +234,11 @@ static int finish(hep_group *g, void *stream, unsigned flags, const char *call)
     e = cudaStreamSynchronize((cudaStream_t)stream);
     if (e != cudaSuccess)
         return cuda_status(e, call);
-    rc = diag_status(g, call);
-    if (rc == HEP_ERR_TIMEOUT) { /* the kernel's record names who was missing: keep it */
-        char keep[1024];
-        snprintf(keep, sizeof(keep), "%s", hep_last_error());
-        (void)proxy_done(g);
-        snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", keep);
-        return hep_fail(HEP_ERR_TIMEOUT, "%s", keep);
-    }
-    prc = proxy_done(g);
-    return prc ? prc : rc;
+    prc = proxy_done(g);       /* the kernels are done: so is the batch, or it failed */
+    rc = diag_status(g, call); /* a kernel's timeout names who was missing: it wins */
+    if (prc && rc != HEP_ERR_TIMEOUT)
+        return hep_fail(prc, "%s", g->broken_msg);
+    return rc;
 }
 
 /* N > 1 (GPU): hand the proxy this call's chunks; the kernels publish them as ready. */

@@ -34,19 +34,25 @@ hep_proxy_chunk hep_wire_chunk(const hep_group *g, int peer, int lid, size_t lof
     return k;
 }
 
+/* k's flag write: u64 word lword of buffer lid to word rword of the peer's rid. */
+static void set_flag(const hep_group *g, hep_proxy_chunk *k, int lid, size_t lword, int rid,
+                     size_t rword)
+{
+    const hep_proxy_chunk f = hep_wire_chunk(g, k->peer, lid, lword * 8, rid, rword * 8, 8, NULL);
+    k->flag = 1;
+    k->flag_lkey = f.lkey;
+    k->flag_laddr = f.laddr;
+    k->flag_rkey = f.rkey;
+    k->flag_raddr = f.raddr;
+}
+
 hep_proxy_chunk hep_wire_count_then_flag(const hep_group *g, int peer, int lid, int rid,
                                          int lword, int rword, const volatile uint64_t *ready)
 {
     hep_proxy_chunk k =
         hep_wire_chunk(g, peer, lid, (size_t)lword * 8, rid, (size_t)rword * 8, 8, ready);
-    const hep_proxy_chunk f = hep_wire_chunk(g, peer, lid, (size_t)(g->N + lword) * 8, rid,
-                                             (size_t)(g->N + rword) * 8, 8, ready);
-    k.flag = 1;
+    set_flag(g, &k, lid, (size_t)(g->N + lword), rid, (size_t)(g->N + rword));
     k.fence = 1; /* after all of the slot's data */
-    k.flag_lkey = f.lkey;
-    k.flag_laddr = f.laddr;
-    k.flag_rkey = f.rkey;
-    k.flag_raddr = f.raddr;
     return k;
 }
 
@@ -84,17 +90,11 @@ int hep_wire_gpu_batch(const hep_group *g, int phase, int S, hep_proxy_chunk *ch
             /* the count block first, with its own flag: the receiver lays out early */
             const size_t cb = HEP_COUNT_BLOCK_WORDS((size_t)g->R, (size_t)g->cfg.experts_per_rank);
             const size_t N = (size_t)g->N;
-            hep_proxy_chunk f = hep_wire_chunk(g, peer, HEP_BUF_D_ATTN_FLAGS, (2 * N + m) * 8,
-                                               HEP_BUF_D_GROUP_FLAGS, (2 * N + s) * 8, 8, NULL);
             ch[n] = hep_wire_chunk(g, peer, HEP_BUF_D_ATTN_FLAGS, (3 * N + m * cb) * 8,
                                    HEP_BUF_D_GROUP_FLAGS, (3 * N + s * cb) * 8, cb * 8,
                                    px + 3 * HEP_PX_MAX_BLOCKS + 1);
-            ch[n].flag = 1;
-            ch[n].flag_lkey = f.lkey;
-            ch[n].flag_laddr = f.laddr;
-            ch[n].flag_rkey = f.rkey;
-            ch[n].flag_raddr = f.raddr;
-            n++;
+            set_flag(g, &ch[n++], HEP_BUF_D_ATTN_FLAGS, 2 * N + m, HEP_BUF_D_GROUP_FLAGS,
+                     2 * N + s);
             n = add_blocks(g, ch, n, peer, HEP_BUF_D_ATTN_TOKEN, j * T * rb, HEP_BUF_D_GROUP_TOKEN,
                            s * T * rb, rb, px, S);
             n = add_blocks(g, ch, n, peer, HEP_BUF_D_ATTN_PROB, j * 2 * T * rw,

@@ -487,7 +487,7 @@ __device__ void rebase_list(const hep_kargs &a, int L, int t, int *pre)
 __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const *s_x,
                           float *const *s_prob, float *const *s_scale)
 {
-    const int R = a.R, El = a.El, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int R = a.R, El = a.El, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nwarps = blockDim.x >> 5, S = gridDim.x, b = blockIdx.x;
     const long long first = (long long)a.rank0 * El;
     const size_t rb = (size_t)a.H * a.esize, nvec = rb / 16, T = (size_t)a.T;
@@ -496,7 +496,6 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
     block_range(v.t, b, S, t0, t1);
     const int per_warp = (t1 - t0 + nwarps - 1) / nwarps;
     const int w0 = min(t1, t0 + warp * per_warp), w1 = min(t1, w0 + per_warp);
-    (void)tid;
 #ifdef HEP_STRIDED_TOKENS
     for (int i = t0 + warp; i < t1; i += nwarps) {
 #else
@@ -702,9 +701,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
                   e * (unsigned long long)S, HEP_STAGE_DISPATCH, tid);
 }
 
-extern "C" size_t hep_dispatch_smem(int N, int R, int El)
+extern "C" size_t hep_dispatch_smem(int R, int El)
 {
-    (void)N;
     return sizeof(int) * ((size_t)R * El + 32 * (size_t)R + 2 * (size_t)R);
 }
 
@@ -907,7 +905,7 @@ __global__ void k_copy_in(hep_kargs a)
 // ---------------------------------------------------------------- launchers
 extern "C" int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream)
 {
-    size_t smem = hep_dispatch_smem(a->N, a->R, a->El);
+    size_t smem = hep_dispatch_smem(a->R, a->El);
     cudaError_t e = cudaSuccess;
     if (smem > 48 * 1024)
         e = cudaFuncSetAttribute(k_dispatch, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -918,9 +916,14 @@ extern "C" int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream)
     return (int)cudaGetLastError();
 }
 
+extern "C" size_t hep_node_pack_smem(int N, int R, int El)
+{
+    return sizeof(int) * (size_t)N * (size_t)R * (size_t)(El + 1); /* the count blocks */
+}
+
 extern "C" int hep_launch_node_pack(const hep_kargs *a, int blocks, void *stream)
 {
-    size_t smem = sizeof(int) * (size_t)a->N * (size_t)a->R * (size_t)(a->El + 1);
+    size_t smem = hep_node_pack_smem(a->N, a->R, a->El);
     if (smem > 48 * 1024) {
         cudaError_t e = cudaFuncSetAttribute(
             k_node_pack, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);

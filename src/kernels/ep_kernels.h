@@ -132,7 +132,9 @@ int hep_launch_read_ceiling(const void *p, size_t bytes, unsigned *sink, int blo
 /* Load every kernel now (lazy loading inside co-dependent kernels can deadlock). */
 int hep_kernels_preload(void);
 /* Bytes of dynamic shared memory the dispatch kernel needs for R ranks, El experts. */
-size_t hep_dispatch_smem(int N, int R, int El);
+size_t hep_dispatch_smem(int R, int El);
+/* Bytes of dynamic shared memory the inter-node pack kernel needs (N nodes). */
+size_t hep_node_pack_smem(int N, int R, int El);
 #ifdef __cplusplus
 }
 #endif

@@ -35,7 +35,7 @@ int hep_coord_create(const hep_plan *p, char *local_arena, const hep_bootstrap *
                      int cuda_device, const hep_coord_options *o, hep_coord **out)
 {
     hep_coord *c = calloc(1, sizeof(*c));
-    int rc;
+    int rc, mode = hep_env_get()->mr_mode;
     if (!c)
         return hep_fail(HEP_ERR_NOMEM, "RDMA coordinator: out of memory");
     c->world = bs->size;
@@ -46,13 +46,12 @@ int hep_coord_create(const hep_plan *p, char *local_arena, const hep_bootstrap *
         return rc;
     }
     compose(&c->net->mr_ops, o->mr_override);
+    if (o->host_memory && mode == HEP_MR_MODE_DMABUF)
+        mode = HEP_MR_MODE_AUTO; /* host memory has no DMA-BUF export to force */
     for (int i = 0; i < HEP_RDMA_BUF_COUNT && rc == HEP_OK; i++) {
         const hep_plan_buffer *b = &p->buf[HEP_FIRST_RDMA_BUF + i];
         if (!b->present)
             continue;
-        int mode = hep_env_get()->mr_mode;
-        if (o->host_memory && mode == HEP_MR_MODE_DMABUF)
-            mode = HEP_MR_MODE_AUTO; /* host memory has no DMA-BUF export to force */
         rc = hep_gpu_mr_register_mode(&c->net->mr_ops, mode,
                                       c->net->pd, cuda_device, local_arena + b->offset, b->bytes,
                                       COORD_ACCESS, b->name, &c->mr[i]);

@@ -162,8 +162,6 @@ static int step(hep_proxy *p)
             double ns = (now_ms() - p->seen_ms[id - FLAG_WR]) * 1e6;
             s->flags_done++;
             s->ready_to_flag_ns += (uint64_t)ns;
-            if ((uint64_t)ns > s->ready_to_flag_max_ns)
-                s->ready_to_flag_max_ns = (uint64_t)ns;
         }
         if (done[k].status) {
             char m[1024];

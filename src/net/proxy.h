@@ -44,8 +44,8 @@ typedef struct hep_proxy_peer_stats {
     uint64_t data_wrs;  /* data work requests posted */
     uint64_t flag_wrs;  /* flag work requests posted */
     uint64_t flags_done;/* flag writes completed, and for them the time from the chunk
-                           seen ready to its flag's completion (sum and largest, ns) */
-    uint64_t ready_to_flag_ns, ready_to_flag_max_ns;
+                           seen ready to its flag's completion (sum, ns) */
+    uint64_t ready_to_flag_ns;
 } hep_proxy_peer_stats;
 
 typedef struct hep_proxy hep_proxy;
