@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call. Expects the binaries built
 # by bench/gpu_build.sh in .gpu/ (carried with the call). Full logs go to $OUT.
-# Usage: bench/gpu_check.sh [all|test|bench|nodes]   (BENCH_ARGS adds options to every bench)
+# Usage: bench/gpu_check.sh [all|test|san|bench|sweep|nodes]...  (several modes run in order;
+#   BENCH_ARGS adds options to every bench; SWEEP_SMS the SM counts of `sweep`)
+#   test: the GPU tests; san: compute-sanitizer memcheck and racecheck on small cases
+#   sweep: one rank (E_l = 8, K = 8) and eight ranks (bench defaults) across SM counts
 #   nodes: the benches of 2 x 4 and 4 x 2 virtual nodes over the loopback NIC
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,20 +13,23 @@ mkdir -p "$OUT"
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}
 export CUDA_DEVICE_MAX_CONNECTIONS=32 PYTHONUNBUFFERED=1 HEP_TIMEOUT_MS=${HEP_TIMEOUT_MS:-5000}
 B=.gpu
-MODE=${1:-all}
+MODES=" ${*:-all} "
+want() { [[ "$MODES" == *" all "* || "$MODES" == *" $1 "* ]]; }
 step() { echo; echo "=== $* ($(date +%T))"; }
 {
   step "device"
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
   $B/hybridep doctor
 } 2>&1 | tee "$OUT/device.txt"
-if [ "$MODE" = all ] || [ "$MODE" = test ]; then
+if want test; then
   {
     step "GPU tests (kernels vs host backend and oracle, graph replay, timeout, DMA-BUF)"
     timeout 420 $B/test_gpu_ep
     echo "test_gpu_ep exit: $?"
   } > "$OUT/test.txt" 2>&1
   grep -vE '^\[ *(RUN|OK) \]|unavailable; using DMA-BUF' "$OUT/test.txt" | tail -60
+fi
+if want san; then
   {
     step "compute-sanitizer memcheck (small cases)"
     HEP_GPU_TEST_SMALL=1 timeout 240 compute-sanitizer --tool memcheck --leak-check full $B/test_gpu_ep
@@ -32,7 +38,19 @@ if [ "$MODE" = all ] || [ "$MODE" = test ]; then
   } > "$OUT/sanitizer.txt" 2>&1
   grep -E "===|SUMMARY|FAILED|PASSED|exit" "$OUT/sanitizer.txt" | grep -v "^=== *$" | tail -12
 fi
-if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
+if want sweep; then
+  {
+    for S in ${SWEEP_SMS:-8 16 24 32 64 128}; do
+      step "one rank: hybridep bench --ranks-per-node 1 --experts-per-rank 8 --topk 8 --sms $S"
+      $B/hybridep bench --ranks-per-node 1 --experts-per-rank 8 --topk 8 --sms "$S" ${BENCH_ARGS:-}
+    done
+    for S in 4 8 16; do
+      step "eight ranks: hybridep bench --sms $S"
+      $B/hybridep bench --sms "$S" ${BENCH_ARGS:-}
+    done
+  } 2>&1 | tee "$OUT/sweep.txt" | grep -E '^===|^(preprocess|dispatch|combine|ceiling)|verified|rror|timed out'
+fi
+if want bench; then
   {
     for dt in bf16 fp8; do
       step "hybridep bench --dtype $dt ${BENCH_ARGS:-}"
@@ -43,7 +61,7 @@ if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
     done
   } 2>&1 | tee "$OUT/bench.txt" | grep -vE '^\[bench\]'
 fi
-if [ "$MODE" = all ] || [ "$MODE" = nodes ]; then
+if want nodes; then
   {
     for shape in "2 4" "4 2"; do
       set -- $shape

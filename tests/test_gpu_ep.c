@@ -90,6 +90,8 @@ static int run_rank_gpu(rank_ctx *rc)
     hep_combine_args ca;
     size_t maxr;
     int rc0;
+    uint16_t *eager = NULL; /* the last eager call's combine output: every replay must equal it */
+    int eager_recv = -1, replay_bad = 0;
 
     CK(cudaSetDevice(0));
     rc0 = hep_group_create(&c->cfg, &rc->bs, 0, &g);
@@ -220,9 +222,35 @@ static int run_rank_gpu(rank_ctx *rc)
         fill_expert_out(o->expert_out, rc->rank, o->num_recv, H);
         o->combined = malloc((size_t)H * 2 * (size_t)in->t + 16);
         CK(cudaMemcpy(o->combined, d_out, (size_t)H * 2 * (size_t)in->t, cudaMemcpyDeviceToHost));
+        if (replay && (o->num_recv != eager_recv ||
+                       memcmp(o->combined, eager, (size_t)H * 2 * (size_t)in->t))) {
+            /* each replay's output was poisoned first: a replay that did not run, or ran on
+             * stale state, differs here (the ranks go on in step; the failure is reported
+             * after the last replay) */
+            if (!replay_bad)
+                snprintf(o->err, sizeof(o->err),
+                         "replay %d: %d rows received (eager: %d) or the combine output "
+                         "differs from the eager call's",
+                         rep - (c->repeat ? c->repeat : 1), o->num_recv, eager_recv);
+            replay_bad++;
+        }
+        if (!replay && g_opts.graph) {
+            free(eager);
+            eager = malloc((size_t)H * 2 * (size_t)in->t + 16);
+            if (!eager) {
+                snprintf(o->err, sizeof(o->err), "out of host memory");
+                o->rc_combine = HEP_ERR_NOMEM;
+                break;
+            }
+            memcpy(eager, o->combined, (size_t)H * 2 * (size_t)in->t);
+            eager_recv = o->num_recv;
+        }
         rc->bs.barrier(rc->bs.ctx);
     }
 out:
+    free(eager);
+    if (replay_bad && !o->rc_combine)
+        o->rc_combine = HEP_ERR_INTERNAL;
     if (exec)
         cudaGraphExecDestroy(exec);
     if (graph)

@@ -108,6 +108,7 @@ int hep_ep_setup(hep_group *g)
     k->block_counts = (int *)hep_my_buf(g, HEP_BUF_HANDLE_BLOCKS);
     k->host_counts = (int *)hep_my_buf(g, HEP_BUF_HOST_COUNTS);
     k->diag = (hep_diag *)(g->mapped_dev + g->plan.buf[HEP_BUF_DIAG].offset);
+    k->abort = (unsigned long long *)hep_my_buf(g, HEP_BUF_FLAGS) + HEP_FLAG_ABORT;
     for (int l = 0; l < g->R; l++) {
         k->x[l] = hep_peer_buf(g, l, HEP_BUF_TOKEN_X);
         k->prob[l] = (float *)hep_peer_buf(g, l, HEP_BUF_RECV_PROB);

@@ -1,20 +1,25 @@
-/* kernels/ep_kernels.h: the dispatch/combine kernels, called from C. With N > 1 nodes a
- * rank forwards N token lists (its own, then each other node's slot) the way one node
- * forwards its single list; docs/architecture.md has the inter-node steps.
+/* kernels/ep_kernels.h: the dispatch/combine kernels, called from C. One file per kernel
+ * family: layout.cuh (the routing scan and layout step), dispatch.cu, combine.cu,
+ * node_pack.cu (N > 1), with the waits, flags and timeout record in sync.cuh and the token
+ * lists in lists.cuh. With N > 1 nodes a rank forwards N token lists (its own, then each
+ * other node's slot) the way one node forwards its single list; docs/architecture.md has
+ * the inter-node steps.
  *
  * Protocol (all counters monotonic, never reset; e = this rank's call count, kept on the
  * device so graph replays advance it):
  *  dispatch (one kernel, S blocks): each block scans the routing of its token range
- *    (positions per destination, per-expert counts); block 0 publishes the rank's counts
- *    to its shared buffer (double-buffered by e & 1), COUNTS_READY = e, waits for every
- *    node-mate's, derives the row base at each destination, what it receives and tokens
- *    per expert, LAYOUT_READY = e; then every block pushes rows, probabilities and scales
- *    into the destinations' buffers and adds 1 to DISPATCH_ARRIVE[source] at each
- *    destination; block 0 waits until DISPATCH_ARRIVE[s] >= e * S for every source s.
+ *    (positions per destination, per-expert counts); after a grid barrier block 0
+ *    publishes the rank's counts to its shared buffer (double-buffered by e & 1),
+ *    COUNTS_READY = e, waits for every node-mate's, derives the row base at each
+ *    destination, what it receives and tokens per expert, LAYOUT_READY = e; then every
+ *    block pushes rows, probabilities and scales into the destinations' buffers and adds 1
+ *    to DISPATCH_ARRIVE[source] at each destination; block 0 waits until
+ *    DISPATCH_ARRIVE[s] >= e * S for every source s.
  *  combine (S blocks): COMBINE_READY = e (its expert outputs are in place), waits for
  *    every node-mate's COMBINE_READY >= e, then pulls and sums the rows of its tokens.
- * Every wait is bounded; on expiry the waiter fills the diag record and all kernels of
- * the rank stop.
+ * Every wait is bounded; on expiry the waiter raises this rank's ABORT word (device
+ * memory; the other waiters see it at their next poll and return), fills the host-mapped
+ * diag record and publishes whom it waited for in its BLAME word.
  */
 #ifndef HEP_EP_KERNELS_H
 #define HEP_EP_KERNELS_H
@@ -29,6 +34,7 @@
 #define HEP_FLAG_COMBINE_READY 8    /* this rank's combine input rows are in place for call e */
 #define HEP_FLAG_HOST_DONE 9        /* host backend: this rank finished reading, call e (dispatch; + 1: combine) */
 #define HEP_FLAG_BLAME 11           /* 0, or 1 + the rank this rank's kernels gave up on */
+#define HEP_FLAG_ABORT 12           /* 0, or 1 once a wait of this rank's kernels gave up */
 #define HEP_FLAG_DISPATCH_ARRIVE 16 /* [W]: blocks of source s that finished writing here */
 
 /* Layout of the proxy's ready counters (host-mapped u64), per phase (0 dispatch, 1
@@ -49,9 +55,11 @@
 enum { HEP_STAGE_PREPROCESS = 1, HEP_STAGE_DISPATCH = 2, HEP_STAGE_COMBINE = 3,
        HEP_STAGE_NODE_DISPATCH = 4, HEP_STAGE_NODE_COMBINE = 5 };
 
-/* Host-mapped record of the first failure seen by a rank's kernels. */
+/* Host-mapped record of the first failure seen by a rank's kernels. The kernels only write
+ * it, when a failure happens (and two timestamps once per dispatch); the host reads it
+ * after the stream finished. */
 typedef struct hep_diag {
-    unsigned int timeout_claimed; /* 0, or 1 once a waiter gave up (all kernels stop) */
+    unsigned int timeout_claimed; /* 0, or 1 once the record of a timeout is complete */
     int stage, block, peer;
     unsigned long long expected, seen, waited_ns;
     unsigned int invalid_claimed; /* an expert id out of range was seen (slot ignored) */
@@ -81,7 +89,8 @@ typedef struct hep_kargs {
     int *recv_count;                 /* device int */
     int *tokens_per_expert;          /* device [El] */
     int *host_counts;                /* mapped host [1 + El] */
-    hep_diag *diag;                  /* mapped host */
+    hep_diag *diag;                  /* mapped host: written on failure only */
+    unsigned long long *abort;       /* device: this rank's flags[HEP_FLAG_ABORT] */
     const void *combine_in;          /* combine: rows to copy into X first (or NULL) */
     void *combine_out;               /* combine: [t, H] bf16 */
     /* the node, by local rank */

@@ -1,7 +1,8 @@
 // kernels/probe.cu: a one-block kernel that proves this build's machine code runs on
-// the device (used by `hybridep doctor`).
+// the device (used by `hybridep doctor`), and the up-front load of every kernel.
 #include <cuda_runtime.h>
 
+#include "kernels/ep_kernels.h"
 #include "kernels/kernels.h"
 
 __global__ void hep_probe_kernel(unsigned *out, unsigned seed)
@@ -39,4 +40,21 @@ extern "C" int hep_kernels_probe(int device, char *why, size_t why_len)
     }
     snprintf(why, why_len, "ok");
     return 0;
+}
+
+extern "C" int hep_preload_dispatch(void);
+extern "C" int hep_preload_combine(void);
+extern "C" int hep_preload_node_pack(void);
+
+// With lazy module loading (the CUDA 12+ default) a kernel's first launch loads it, and the
+// load can wait for the kernels already running: when those spin for this very kernel,
+// that is a deadlock. Group creation loads every kernel up front.
+extern "C" int hep_kernels_preload(void)
+{
+    int e = hep_preload_dispatch();
+    if (e == 0)
+        e = hep_preload_combine();
+    if (e == 0)
+        e = hep_preload_node_pack();
+    return e;
 }

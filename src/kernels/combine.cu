@@ -1,0 +1,256 @@
+// kernels/combine.cu: the combine kernel (see ep_kernels.h for the protocol) and the copy
+// of a caller's expert outputs into the exchange buffer. S blocks; with N > 1 the blocks
+// first reduce the other nodes' tokens over this node (slot by slot, block b's share handed
+// to the proxy as it completes; the last block publishes each slot's count and flag), then
+// wait for the other nodes' partial sums of this rank's tokens; then every warp sums its
+// own tokens' rows.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/lists.cuh"
+
+#ifndef COMBINE_THREADS
+#define COMBINE_THREADS 512
+#endif
+#ifdef HEP_STREAMING_LOADS
+#define LD_ROW(p) __ldcs(p)
+#else
+#define LD_ROW(p) ld_cg(p)
+#endif
+
+__device__ __forceinline__ void acc8(float *f, uint4 v)
+{
+    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        float2 x = __bfloat1622float2(h[q]);
+        f[2 * q] += x.x;
+        f[2 * q + 1] += x.y;
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float *f)
+{
+    uint4 v;
+    __nv_bfloat162 *h = (__nv_bfloat162 *)&v;
+#pragma unroll
+    for (int q = 0; q < 4; q++)
+        h[q] = __floats2bfloat162_rn(f[2 * q], f[2 * q + 1]);
+    return v;
+}
+
+// The rows one warp sums for a token: destination d's row (lane d holds it, -1 if none) in
+// ascending local rank, then each other node's partial sum (lane M holds its position in
+// slot M's rows, -1 if none) in ascending node.
+struct row_set {
+    unsigned mask, nmask;
+    int row, npos;
+};
+
+// One warp: out = the f32 sum of the token's rows, rounded to BF16 once. Each pass holds CU
+// vectors per lane of CD rows in flight together (CU x CD x 512 bytes a warp); the rows are
+// added one after another in the documented order, so every (CU, CD) gives the same bits.
+template <int CU, int CD>
+__device__ __forceinline__ void sum_rows(const row_set &rs, const char *const *s_x,
+                                         const char *parts, int node, size_t rb, size_t T,
+                                         uint4 *out)
+{
+    const int lane = threadIdx.x & 31;
+    const int nvec = (int)(rb / 16);
+    const int passes = (nvec + 32 * CU - 1) / (32 * CU);
+    const int per_pass = ((nvec + passes - 1) / passes + 31) & ~31;
+    for (int v0 = 0; v0 < nvec; v0 += per_pass) {
+        const int v1 = min(nvec, v0 + per_pass);
+        float f[CU][8];
+#pragma unroll
+        for (int u = 0; u < CU; u++)
+#pragma unroll
+            for (int q = 0; q < 8; q++)
+                f[u][q] = 0.f;
+        for (unsigned m = rs.mask; m;) {
+            const uint4 *src[CD];
+            int n = 0;
+#pragma unroll
+            for (int c = 0; c < CD; c++) {
+                src[c] = NULL;
+                if (m) {
+                    const int d = __ffs(m) - 1;
+                    m &= m - 1;
+                    src[c] = (const uint4 *)(s_x[d] + (size_t)__shfl_sync(FULL, rs.row, d) * rb);
+                    n++;
+                }
+            }
+            uint4 v[CD][CU];
+#pragma unroll
+            for (int c = 0; c < CD; c++)
+#pragma unroll
+                for (int u = 0; u < CU; u++) {
+                    const int k = v0 + u * 32 + lane;
+                    v[c][u] = (c < n && k < v1) ? LD_ROW(src[c] + k) : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+            for (int c = 0; c < CD; c++)
+                if (c < n)
+#pragma unroll
+                    for (int u = 0; u < CU; u++)
+                        acc8(f[u], v[c][u]);
+        }
+        for (unsigned m = rs.nmask; m; m &= m - 1) { // the other nodes' partial sums
+            const int M = __ffs(m) - 1;
+            const uint4 *src = (const uint4 *)(parts + ((size_t)slot_index(M, node) * T +
+                                                        (size_t)__shfl_sync(FULL, rs.npos, M)) *
+                                                           rb);
+            uint4 v[CU];
+#pragma unroll
+            for (int u = 0; u < CU; u++) {
+                const int k = v0 + u * 32 + lane;
+                v[u] = k < v1 ? ld_cg(src + k) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < CU; u++)
+                acc8(f[u], v[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < CU; u++) {
+            const int k = v0 + u * 32 + lane;
+            if (k < v1)
+                out[k] = pack8(f[u]);
+        }
+    }
+}
+
+// One warp: the row `out` = f32 sum over the node-mates holding token i of list L, then
+// (parts != NULL, own tokens) plus each other node's partial sum of it. The shape of the
+// passes follows the number of rows: one row gets deep passes, many rows get wide ones,
+// so that about 8 KB a warp are in flight either way.
+__device__ __forceinline__ void combine_row(const hep_kargs &a, const char *const *s_x, int L,
+                                            int i, int mybase, uint4 *out, const char *parts)
+{
+    const int lane = threadIdx.x & 31, R = a.R;
+    const size_t rb = (size_t)a.H * 2, T = (size_t)a.T;
+    row_set rs;
+    const int pos = lane < R ? a.dest_rows[((size_t)L * T + i) * R + lane] : -1;
+    rs.row = pos >= 0 ? mybase + pos : -1;
+    rs.mask = __ballot_sync(FULL, rs.row >= 0);
+    rs.npos = parts && lane < a.N && lane != a.node ? a.node_pos[(size_t)i * a.N + lane] : -1;
+    rs.nmask = __ballot_sync(FULL, rs.npos >= 0);
+    const int n = __popc(rs.mask) + __popc(rs.nmask);
+    if (n <= 1)
+        sum_rows<8, 1>(rs, s_x, parts, a.node, rb, T, out);
+    else if (n == 2)
+        sum_rows<4, 2>(rs, s_x, parts, a.node, rb, T, out);
+    else
+        sum_rows<2, 4>(rs, s_x, parts, a.node, rb, T, out);
+}
+
+__global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
+{
+    const int R = a.R, N = a.N, tid = threadIdx.x, S = gridDim.x, b = blockIdx.x;
+    const int lane = tid & 31, wpb = blockDim.x >> 5, warp = tid >> 5;
+    const int gw = b * wpb + warp, nw = S * wpb;
+    const size_t rb = (size_t)a.H * 2, T = (size_t)a.T;
+    const unsigned long long e = *a.epoch;
+    __shared__ const char *s_x[HEP_GPU_MAX_LOCAL]; /* see k_dispatch */
+    __shared__ int s_last;
+    if (tid < R)
+        s_x[tid] = a.x[tid];
+
+    if (b == 0 && tid == 0) {
+        __threadfence_system();
+        st_release(a.flags[a.local] + HEP_FLAG_COMBINE_READY, e);
+    }
+    bool ok = true;
+    if (tid < R)
+        ok = wait_mate(a, a.flags[tid] + HEP_FLAG_COMBINE_READY, e, HEP_STAGE_COMBINE, tid);
+    if (!block_all(ok))
+        return;
+    if (N > 1) {
+        for (int L = 0; L < N; L++) {
+            if (L == a.node)
+                continue;
+            const int s = slot_index(L, a.node), t = (int)ld_relaxed(a.slot_words + s);
+            const int mybase = lane < R ? ld_l2(a.meta + L * R + lane) : 0;
+            int t0, t1, w0, w1;
+            block_range(t, b, S, t0, t1);
+            warp_range(t0, t1, warp, wpb, w0, w1);
+            for (int i = w0; i < w1; i++)
+                combine_row(a, s_x, L, i, mybase,
+                            (uint4 *)(a.red_token + ((size_t)s * T + i) * rb), NULL);
+            __syncthreads();
+            if (tid == 0) {
+                unsigned long long *w = a.px + HEP_PX_WORD(N, 1, L) + 3 * b;
+                __threadfence_system();
+                w[1] = (unsigned long long)t0;
+                w[2] = (unsigned long long)(t1 - t0);
+                __threadfence_system();
+                st_release(w, e);
+            }
+        }
+        if (tid == 0) {
+            __threadfence_system();
+            s_last = atomicAdd(a.combine_done, 1ull) == e * (unsigned long long)S - 1;
+        }
+        __syncthreads();
+        if (s_last && tid < N && tid != a.node) {
+            __threadfence();
+            a.red_words[tid] = ld_relaxed(a.slot_words + slot_index(tid, a.node));
+            a.red_words[N + tid] = e;
+            __threadfence_system();
+            st_release(a.px + HEP_PX_WORD(N, 1, tid) + 3 * HEP_PX_MAX_BLOCKS, e);
+        }
+        ok = true;
+        if (tid < N - 1) {
+            const int L = tid < a.node ? tid : tid + 1;
+            ok = wait_geq(a, a.part_words + N + tid, e, HEP_STAGE_NODE_COMBINE,
+                          L * R + a.local);
+        }
+        if (!block_all(ok))
+            return;
+    }
+    const int mybase = lane < R ? ld_l2(a.meta + a.node * R + lane) : 0;
+#ifdef HEP_STRIDED_TOKENS
+    for (int i = gw; i < a.t; i += nw) {
+#else
+    int w0, w1;
+    warp_range(0, a.t, gw, nw, w0, w1);
+    for (int i = w0; i < w1; i++) {
+#endif
+        combine_row(a, s_x, a.node, i, mybase, (uint4 *)((char *)a.combine_out + (size_t)i * rb),
+                    N > 1 ? a.part_token : NULL);
+    }
+}
+
+// Copy the caller's expert outputs into this rank's X (count read on the device).
+__global__ void k_copy_in(hep_kargs a)
+{
+    const size_t rb = (size_t)a.H * 2, nvec = rb / 16;
+    const size_t total = (size_t)*a.recv_count * nvec;
+    const uint4 *src = (const uint4 *)a.combine_in;
+    uint4 *dst = (uint4 *)a.x[a.local];
+    for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total;
+         k += (size_t)gridDim.x * blockDim.x) {
+        size_t r = k / nvec, c = k % nvec;
+        dst[r * nvec + c] = __ldg((const uint4 *)((const char *)src + r * a.x_stride_in) + c);
+    }
+}
+
+extern "C" int hep_launch_combine(const hep_kargs *a, int blocks, void *stream)
+{
+    k_combine<<<blocks, COMBINE_THREADS, 0, (cudaStream_t)stream>>>(*a);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int hep_launch_copy_in(const hep_kargs *a, int blocks, void *stream)
+{
+    k_copy_in<<<blocks, 512, 0, (cudaStream_t)stream>>>(*a);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int hep_preload_combine(void)
+{
+    cudaFuncAttributes fa;
+    cudaError_t e = cudaFuncGetAttributes(&fa, (const void *)k_combine);
+    if (e == cudaSuccess)
+        e = cudaFuncGetAttributes(&fa, (const void *)k_copy_in);
+    return (int)e;
+}

@@ -1,0 +1,213 @@
+// kernels/dispatch.cu: the dispatch kernel (see ep_kernels.h for the protocol). One kernel
+// per call, S blocks; block b owns tokens [b*chunk, (b+1)*chunk) of each list:
+//  0. (N > 1) the other nodes' rows are in flight; their count blocks come first.
+//  1. every block scans its own tokens (layout.cuh) and arrives at the rank's grid counter.
+//  2. block 0 publishes the rank's counts, waits for every node-mate's and lays out; the
+//     other blocks make their positions rank-wide meanwhile.
+//  3. every block pushes its tokens' rows, probabilities and scales to their destinations
+//     (own tokens first, then, N > 1, each other node's slot once it arrived) and arrives
+//     at every destination; block 0 waits for every source's S arrivals.
+#include <cuda_runtime.h>
+
+#include "kernels/layout.cuh"
+
+/* Tuning (bench/NOTES.md has what was measured): threads per block; 16-byte vectors per
+ * lane in flight (DU); a row is cut into equal passes of at most 32 x DU vectors. */
+#ifndef DISPATCH_THREADS
+#define DISPATCH_THREADS 512
+#endif
+#ifndef DU
+#define DU 14
+#endif
+#ifdef HEP_STREAMING_STORES /* evict-first: the rows are not read again by this kernel */
+#define ST_ROW(p, v) __stcs((p), (v))
+#else
+#define ST_ROW(p, v) (*(p) = (v))
+#endif
+
+// One warp copies source row `src` to the rows dst_row[d] of the destinations in `mask`
+// (lane d holds destination d's row, -1 if none): each pass loads up to DU vectors per lane
+// (all in flight together), then stores them to every destination.
+__device__ __forceinline__ void push_row(const uint4 *src, bool slot, unsigned mask, int row,
+                                         char *const *s_x, size_t rb, int nvec, int per_pass)
+{
+    const int lane = threadIdx.x & 31;
+    for (int v0 = 0; v0 < nvec; v0 += per_pass) {
+        const int v1 = min(nvec, v0 + per_pass);
+        uint4 buf[DU];
+#pragma unroll
+        for (int u = 0; u < DU; u++) {
+            const int q = v0 + u * 32 + lane;
+            if (q < v1)
+                buf[u] = slot ? ld_cg(src + q) : __ldg(src + q);
+        }
+        for (unsigned m = mask; m; m &= m - 1) {
+            const int d = __ffs(m) - 1;
+            const int r = __shfl_sync(FULL, row, d);
+            uint4 *dst = (uint4 *)(s_x[d] + (size_t)r * rb);
+#pragma unroll
+            for (int u = 0; u < DU; u++) {
+                const int q = v0 + u * 32 + lane;
+                if (q < v1)
+                    ST_ROW(dst + q, buf[u]);
+            }
+        }
+    }
+}
+
+// Block b pushes its tokens of list L: rows, probabilities and scales at every destination.
+__device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const *s_x,
+                          float *const *s_prob, float *const *s_scale)
+{
+    const int R = a.R, El = a.El, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nwarps = blockDim.x >> 5, S = gridDim.x, b = blockIdx.x;
+    const long long first = (long long)a.rank0 * El;
+    const size_t rb = (size_t)a.H * a.esize, T = (size_t)a.T;
+    const int nvec = (int)(rb / 16);
+    /* equal passes: a 14 KB row is two passes of 448 vectors, not 512 + 384 */
+    const int passes = (nvec + 32 * DU - 1) / (32 * DU);
+    const int per_pass = ((nvec + passes - 1) / passes + 31) & ~31;
+    const int mybase = lane < R ? ld_l2(a.meta + L * R + lane) : 0;
+    int t0, t1, w0, w1;
+    block_range(v.t, b, S, t0, t1);
+#ifdef HEP_STRIDED_TOKENS
+    for (int i = t0 + warp; i < t1; i += nwarps) {
+#else
+    warp_range(t0, t1, warp, nwarps, w0, w1);
+    for (int i = w0; i < w1; i++) {
+#endif
+        const int pos = lane < R ? a.dest_rows[((size_t)L * T + i) * R + lane] : -1;
+        const int row = pos >= 0 ? mybase + pos : -1;
+        const unsigned mask = __ballot_sync(FULL, row >= 0);
+        if (!mask)
+            continue;
+        const long long myid = lane < v.K ? list_id(a, v, i, lane) : -2;
+        const float myw = lane < v.K ? list_w(a, v, i, lane) : 0.f;
+        push_row((const uint4 *)(v.tok + (size_t)i * rb), v.slot, mask, row, s_x, rb, nvec,
+                 per_pass);
+        for (unsigned m = mask; m; m &= m - 1) {
+            const int d = __ffs(m) - 1;
+            const int r = __shfl_sync(FULL, row, d);
+            for (int j0 = 0; j0 < El; j0 += 32) {
+                const long long want = first + (long long)d * El + j0 + lane;
+                float p = 0.f;
+                for (int k = 0; k < v.K; k++) {
+                    const long long x = __shfl_sync(FULL, myid, k);
+                    const float w = __shfl_sync(FULL, myw, k);
+                    p += x == want ? w : 0.f;
+                }
+                if (j0 + lane < El)
+                    s_prob[d][(size_t)r * El + j0 + lane] = p;
+            }
+            if (a.nscale % 4 == 0 &&
+                (((uintptr_t)v.scl | (uintptr_t)s_scale[d]) & 15) == 0) { /* 16-byte vectors */
+                const float4 *src = (const float4 *)(v.scl + (size_t)i * a.nscale);
+                float4 *dst = (float4 *)(s_scale[d] + (size_t)r * a.nscale);
+                for (int c = lane; c < a.nscale / 4; c += 32)
+                    dst[c] = src[c];
+            } else {
+                for (int c = lane; c < a.nscale; c += 32)
+                    s_scale[d][(size_t)r * a.nscale + c] = v.scl[(size_t)i * a.nscale + c];
+            }
+        }
+    }
+}
+
+__global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
+{
+    extern __shared__ int sm[];
+    const int R = a.R, N = a.N, tid = threadIdx.x, S = gridDim.x, b = blockIdx.x;
+    const layout_smem s = layout_smem_at(sm, R, a.El);
+    const unsigned long long t_start = now_ns();
+    /* destination tables in shared memory: indexing the kernel parameters by a run-time
+     * destination compiles to constant-bank loads, which stall on every row pass */
+    __shared__ char *s_x[HEP_GPU_MAX_LOCAL];
+    __shared__ float *s_prob[HEP_GPU_MAX_LOCAL], *s_scale[HEP_GPU_MAX_LOCAL];
+    const unsigned long long e = *a.epoch + 1;
+    for (int j = tid; j < R; j += blockDim.x) {
+        s_x[j] = a.x[j];
+        s_prob[j] = a.prob[j];
+        s_scale[j] = a.scale[j];
+    }
+    int *mine = a.counts[a.local] + (size_t)(e & 1) * N * R * (a.El + 1);
+
+    // 1. this rank's own tokens: positions within the block, counts
+    scan_list(a, list_of(a, a.node), a.node, true, s, mine);
+    grid_arrive(a.grid_arrive);
+    if (!grid_wait(a, a.grid_arrive, e * (unsigned long long)S))
+        return;
+    // 2. positions made rank-wide; block 0 lays out and releases the other blocks
+    rebase_list(a, a.node, a.t, s);
+    if (b == 0) {
+        if (!layout_publish(a, e, s))
+            return;
+        const unsigned long long t_layout = now_ns();
+        if (tid == 0) {
+            __threadfence();
+            st_release_gpu(a.layout_ready, e);
+        }
+        layout_report(a, s, t_start, t_layout);
+    } else if (!grid_wait(a, a.layout_ready, e)) {
+        return;
+    }
+
+    // 3. push the own tokens (while the other nodes' rows may still travel), then theirs
+    push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale);
+    if (N > 1) {
+        bool ok = true;
+        if (tid < N - 1) {
+            const int L = tid < a.node ? tid : tid + 1;
+            ok = wait_geq(a, a.slot_words + N + tid, e, HEP_STAGE_NODE_DISPATCH,
+                          L * R + a.local);
+        }
+        if (!block_all(ok))
+            return;
+        for (int L = 0; L < N; L++)
+            if (L != a.node)
+                scan_list(a, list_of(a, L), L, false, s, mine);
+        grid_arrive(a.grid_arrive2);
+        if (!grid_wait(a, a.grid_arrive2, e * (unsigned long long)S))
+            return;
+        for (int L = 0; L < N; L++) {
+            if (L == a.node)
+                continue;
+            const lview v = list_of(a, L);
+            rebase_list(a, L, v.t, s);
+            push_list(a, v, L, s_x, s_prob, s_scale);
+        }
+    }
+    __syncthreads();
+    if (tid == 0) {
+        __threadfence_system();
+        for (int d = 0; d < R; d++)
+            red_add_release(a.flags[d] + HEP_FLAG_DISPATCH_ARRIVE + a.local, 1ull);
+    }
+    if (b == 0 && tid < R)
+        wait_mate(a, a.flags[a.local] + HEP_FLAG_DISPATCH_ARRIVE + tid,
+                  e * (unsigned long long)S, HEP_STAGE_DISPATCH, tid);
+}
+
+extern "C" size_t hep_dispatch_smem(int R, int El)
+{
+    /* layout_smem: cnt [R][El], wcnt [32][R], run, pre, tot [R], recv [El + 1] */
+    return sizeof(int) * ((size_t)R * El + 32 * (size_t)R + 3 * (size_t)R + (size_t)El + 1);
+}
+
+extern "C" int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream)
+{
+    size_t smem = hep_dispatch_smem(a->R, a->El);
+    cudaError_t e = cudaSuccess;
+    if (smem > 48 * 1024)
+        e = cudaFuncSetAttribute(k_dispatch, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 (int)smem);
+    if (e != cudaSuccess)
+        return (int)e;
+    k_dispatch<<<blocks, DISPATCH_THREADS, smem, (cudaStream_t)stream>>>(*a);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int hep_preload_dispatch(void)
+{
+    cudaFuncAttributes fa;
+    return (int)cudaFuncGetAttributes(&fa, (const void *)k_dispatch);
+}
