@@ -69,7 +69,7 @@ static void fill_expert_out(uint16_t *p, int rank, int rows, int H)
 {
     for (int j = 0; j < rows; j++)
         for (int h = 0; h < H; h++)
-            p[(size_t)j * H + h] = bf16_of((float)((rank + 1) * 8 + (j % 13)) + (float)(h % 5) * 0.25f);
+            p[(size_t)j * H + h] = ep_expert_value(rank, j, h);
 }
 
 static int run_rank_gpu(rank_ctx *rc)

@@ -66,6 +66,7 @@ int hep_ep_setup(hep_group *g)
     k->T = g->cfg.max_tokens;
     k->kmax = g->cfg.max_topk;
     k->rank0 = g->node * g->R;
+    k->peers_sys = !g->mates_one_gpu;
     k->H = g->cfg.hidden;
     k->El = g->cfg.experts_per_rank;
     k->esize = g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2;

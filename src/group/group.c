@@ -146,6 +146,18 @@ static int check_sm_budget(const hep_group *g, const rank_card *cards)
     return HEP_OK;
 }
 
+/* 1 when every node-mate drives the same GPU as this rank (virtual ranks, or processes
+ * sharing it): the kernels then order their flags at device scope. */
+static int mates_share_gpu(const hep_group *g, const rank_card *cards)
+{
+    for (int l = 0; l < g->R; l++) {
+        const rank_card *c = &cards[g->node * g->R + l];
+        if (strcmp(c->host, cards[g->rank].host) || strcmp(c->pci, cards[g->rank].pci))
+            return 0;
+    }
+    return 1;
+}
+
 static int cuda_fail(cudaError_t e, const char *what, size_t bytes)
 {
     int st = e == cudaErrorMemoryAllocation ? HEP_ERR_NOMEM : HEP_ERR_CUDA;
@@ -398,6 +410,8 @@ int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda
             rc = hep_plan_make(&g->cfg, g->N, g->R, &g->plan);
         if (rc == HEP_OK)
             rc = check_sm_budget(g, cards);
+        if (rc == HEP_OK)
+            g->mates_one_gpu = mates_share_gpu(g, cards);
         /* 2. this rank's memory */
         if (rc == HEP_OK)
             rc = alloc_arenas(g);

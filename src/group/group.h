@@ -27,6 +27,7 @@ struct hep_group {
     hep_bootstrap bs;
     int device;
     int rank, world, R, N, node, local;
+    int mates_one_gpu;              /* every node-mate drives this rank's GPU */
     hep_plan plan;
     char *arena[HEP_ARENA_COUNT];   /* this rank's arenas (device or host addresses) */
     char *mapped_dev;               /* device address of the mapped arena */

@@ -10,7 +10,7 @@
 #include "kernels/lists.cuh"
 
 #ifndef COMBINE_THREADS
-#define COMBINE_THREADS 512
+#define COMBINE_THREADS 384
 #endif
 #ifdef HEP_STREAMING_LOADS
 #define LD_ROW(p) __ldcs(p)
@@ -66,7 +66,7 @@ __device__ __forceinline__ void sum_rows(const row_set &rs, const char *const *s
         for (int u = 0; u < CU; u++)
 #pragma unroll
             for (int q = 0; q < 8; q++)
-                f[u][q] = 0.f;
+                f[u][q] = -0.0f; /* the identity of addition (+0 would turn -0 into +0) */
         for (unsigned m = rs.mask; m;) {
             const uint4 *src[CD];
             int n = 0;
@@ -119,6 +119,34 @@ __device__ __forceinline__ void sum_rows(const row_set &rs, const char *const *s
     }
 }
 
+// One warp copies a token's single row: starting from -0.0, its f32 sum is the row itself,
+// bit for bit, so a copy is the same result, with CV vectors a lane in flight.
+#ifndef CV
+#define CV 14
+#endif
+__device__ __forceinline__ void copy_row(const uint4 *src, uint4 *out, size_t rb)
+{
+    const int lane = threadIdx.x & 31;
+    const int nvec = (int)(rb / 16);
+    const int passes = (nvec + 32 * CV - 1) / (32 * CV);
+    const int per_pass = ((nvec + passes - 1) / passes + 31) & ~31;
+    for (int v0 = 0; v0 < nvec; v0 += per_pass) {
+        /* one base pointer, constant offsets: no address register per vector */
+        const uint4 *s = src + v0 + lane;
+        uint4 *o = out + v0 + lane;
+        const int n = min(nvec, v0 + per_pass) - v0 - lane; /* this lane's vectors: u*32 < n */
+        uint4 buf[CV];
+#pragma unroll
+        for (int u = 0; u < CV; u++)
+            if (u * 32 < n)
+                buf[u] = LD_ROW(s + u * 32);
+#pragma unroll
+        for (int u = 0; u < CV; u++)
+            if (u * 32 < n)
+                o[u * 32] = buf[u];
+    }
+}
+
 // One warp: the row `out` = f32 sum over the node-mates holding token i of list L, then
 // (parts != NULL, own tokens) plus each other node's partial sum of it. The shape of the
 // passes follows the number of rows: one row gets deep passes, many rows get wide ones,
@@ -135,8 +163,19 @@ __device__ __forceinline__ void combine_row(const hep_kargs &a, const char *cons
     rs.npos = parts && lane < a.N && lane != a.node ? a.node_pos[(size_t)i * a.N + lane] : -1;
     rs.nmask = __ballot_sync(FULL, rs.npos >= 0);
     const int n = __popc(rs.mask) + __popc(rs.nmask);
-    if (n <= 1)
-        sum_rows<8, 1>(rs, s_x, parts, a.node, rb, T, out);
+    if (n == 1) {
+        const uint4 *src;
+        if (rs.mask) {
+            const int d = __ffs(rs.mask) - 1;
+            src = (const uint4 *)(s_x[d] + (size_t)__shfl_sync(FULL, rs.row, d) * rb);
+        } else {
+            const int M = __ffs(rs.nmask) - 1;
+            src = (const uint4 *)(parts + ((size_t)slot_index(M, a.node) * T +
+                                           (size_t)__shfl_sync(FULL, rs.npos, M)) * rb);
+        }
+        copy_row(src, out, rb);
+    } else if (n == 0)
+        sum_rows<8, 1>(rs, s_x, parts, a.node, rb, T, out); /* -0.0 everywhere */
     else if (n == 2)
         sum_rows<4, 2>(rs, s_x, parts, a.node, rb, T, out);
     else
@@ -156,8 +195,8 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
         s_x[tid] = a.x[tid];
 
     if (b == 0 && tid == 0) {
-        __threadfence_system();
-        st_release(a.flags[a.local] + HEP_FLAG_COMBINE_READY, e);
+        fence_peers(a);
+        st_release_peers(a, a.flags[a.local] + HEP_FLAG_COMBINE_READY, e);
     }
     bool ok = true;
     if (tid < R)

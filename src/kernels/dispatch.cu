@@ -83,28 +83,39 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
             continue;
         const long long myid = lane < v.K ? list_id(a, v, i, lane) : -2;
         const float myw = lane < v.K ? list_w(a, v, i, lane) : 0.f;
+        // once per token, lane k: slot k's expert at this node and its probability, summed
+        // over the slots of the same expert (in slot order); the first such slot writes it
+        const bool here = myid >= first && myid < first + (long long)R * El;
+        float pk = 0.f;
+        bool writer = here;
+        for (int q = 0; q < v.K; q++) {
+            const long long x = __shfl_sync(FULL, myid, q);
+            const float w = __shfl_sync(FULL, myw, q);
+            pk += x == myid ? w : 0.f;
+            writer &= !(q < lane && x == myid);
+        }
+        const int kd = here ? (int)((myid - first) / El) : -1;
+        const int ke = here ? (int)((myid - first) % El) : 0;
+        // the token's scales, loaded once: one 16-byte vector a lane where they fit
+        const bool vec_scale = a.nscale % 4 == 0 && a.nscale <= 128 &&
+                               ((uintptr_t)v.scl & 15) == 0 && ((uintptr_t)s_scale[0] & 15) == 0;
+        float4 sc = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (vec_scale && lane < a.nscale / 4)
+            sc = ((const float4 *)(v.scl + (size_t)i * a.nscale))[lane];
         push_row((const uint4 *)(v.tok + (size_t)i * rb), v.slot, mask, row, s_x, rb, nvec,
                  per_pass);
         for (unsigned m = mask; m; m &= m - 1) {
             const int d = __ffs(m) - 1;
             const int r = __shfl_sync(FULL, row, d);
-            for (int j0 = 0; j0 < El; j0 += 32) {
-                const long long want = first + (long long)d * El + j0 + lane;
-                float p = 0.f;
-                for (int k = 0; k < v.K; k++) {
-                    const long long x = __shfl_sync(FULL, myid, k);
-                    const float w = __shfl_sync(FULL, myw, k);
-                    p += x == want ? w : 0.f;
-                }
-                if (j0 + lane < El)
-                    s_prob[d][(size_t)r * El + j0 + lane] = p;
-            }
-            if (a.nscale % 4 == 0 &&
-                (((uintptr_t)v.scl | (uintptr_t)s_scale[d]) & 15) == 0) { /* 16-byte vectors */
-                const float4 *src = (const float4 *)(v.scl + (size_t)i * a.nscale);
-                float4 *dst = (float4 *)(s_scale[d] + (size_t)r * a.nscale);
-                for (int c = lane; c < a.nscale / 4; c += 32)
-                    dst[c] = src[c];
+            float *prob = s_prob[d] + (size_t)r * El;
+            for (int j = lane; j < El; j += 32)
+                prob[j] = 0.f;
+            __syncwarp(); /* orders the zeros before the slots' values, lane to lane */
+            if (writer && kd == d)
+                prob[ke] = pk;
+            if (vec_scale) {
+                if (lane < a.nscale / 4)
+                    ((float4 *)(s_scale[d] + (size_t)r * a.nscale))[lane] = sc;
             } else {
                 for (int c = lane; c < a.nscale; c += 32)
                     s_scale[d][(size_t)r * a.nscale + c] = v.scl[(size_t)i * a.nscale + c];
@@ -178,9 +189,9 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     }
     __syncthreads();
     if (tid == 0) {
-        __threadfence_system();
+        fence_peers(a);
         for (int d = 0; d < R; d++)
-            red_add_release(a.flags[d] + HEP_FLAG_DISPATCH_ARRIVE + a.local, 1ull);
+            red_add_release_peers(a, a.flags[d] + HEP_FLAG_DISPATCH_ARRIVE + a.local, 1ull);
     }
     if (b == 0 && tid < R)
         wait_mate(a, a.flags[a.local] + HEP_FLAG_DISPATCH_ARRIVE + tid,

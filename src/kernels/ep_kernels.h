@@ -73,6 +73,7 @@ typedef struct hep_diag {
 typedef struct hep_kargs {
     int local, R, H, El, K, t, esize, nscale, index64;
     int node, N, T, kmax;            /* N > 1: this rank's node, the nodes, slot sizes */
+    int peers_sys;                   /* 1: a node-mate is on another GPU (system-scope sync) */
     unsigned long long timeout_ns;
     /* inputs */
     const void *tokens;

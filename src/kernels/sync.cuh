@@ -54,13 +54,45 @@ __device__ __forceinline__ int ld_l2(const int *p)
 {
     return __ldcg(p);
 }
+/* The intrinsic, not inline asm: the compiler folds a row's vector offsets into the load's
+ * immediate, where an asm operand needs a 64-bit address register per load in flight. */
 __device__ __forceinline__ uint4 ld_cg(const uint4 *p)
 {
-    uint4 v;
-    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
+    return __ldcg(p);
+}
+
+// Node-mates' flags and rows: system scope only when a node-mate is on another GPU; ranks
+// of one GPU (virtual ranks, or processes sharing it through CUDA IPC) are all threads of
+// that device, and a device-scope fence costs far less than a system-scope one.
+__device__ __forceinline__ void fence_peers(const hep_kargs &a)
+{
+    if (a.peers_sys)
+        __threadfence_system();
+    else
+        __threadfence();
+}
+__device__ __forceinline__ void st_release_peers(const hep_kargs &a, unsigned long long *p,
+                                                 unsigned long long v)
+{
+    if (a.peers_sys)
+        st_release(p, v);
+    else
+        st_release_gpu(p, v);
+}
+__device__ __forceinline__ void red_add_release_peers(const hep_kargs &a, unsigned long long *p,
+                                                      unsigned long long v)
+{
+    if (a.peers_sys)
+        red_add_release(p, v);
+    else
+        red_add_release_gpu(p, v);
+}
+__device__ __forceinline__ void fence_acquire(bool sys)
+{
+    if (sys)
+        asm volatile("fence.acq_rel.sys;" ::: "memory");
+    else
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");
 }
 
 __device__ __forceinline__ bool aborted(const hep_kargs &a)
@@ -95,14 +127,15 @@ static __device__ __noinline__ void give_up(unsigned long long *abort, hep_diag 
 // node-mate, so that its blame arrives before this wait gives up). Waits on this rank's own
 // blocks use scale 2: when a peer is missing, the wait on the peer expires first and the
 // record names it. `blame` (or NULL): the waited-for node-mate's blame word. Polls with
-// relaxed loads and a short growing sleep; one acquire fence once the value is seen.
+// relaxed loads and a short growing sleep; one acquire fence (of scope `sys`: system, else
+// device) once the value is seen.
 static __device__ __forceinline__ bool wait_geq_s(const hep_kargs &a, const unsigned long long *flag,
                            unsigned long long expect, int stage, int peer, unsigned scale,
-                           const unsigned long long *blame)
+                           const unsigned long long *blame, bool sys)
 {
     unsigned long long seen = ld_relaxed(flag);
     if (seen >= expect) {
-        asm volatile("fence.acq_rel.sys;" ::: "memory");
+        fence_acquire(sys);
         return true;
     }
     const unsigned long long start = now_ns();
@@ -130,22 +163,24 @@ static __device__ __forceinline__ bool wait_geq_s(const hep_kargs &a, const unsi
         }
         seen = ld_relaxed(flag);
     }
-    asm volatile("fence.acq_rel.sys;" ::: "memory");
+    fence_acquire(sys);
     return true;
 }
 
 __device__ __forceinline__ bool wait_geq(const hep_kargs &a, const unsigned long long *flag,
                                          unsigned long long expect, int stage, int peer)
 {
-    return wait_geq_s(a, flag, expect, stage, peer, 1, NULL);
+    return wait_geq_s(a, flag, expect, stage, peer, 1, NULL, true);
 }
 
-// A wait on node-mate `mate`'s flag word: names whom that mate was stuck on, if it was.
+// A wait on node-mate `mate`'s flag word
+
+// A word that the NIC or the proxy writes (the other nodes' slots): system scope.: names whom that mate was stuck on, if it was.
 __device__ __forceinline__ bool wait_mate(const hep_kargs &a, const unsigned long long *flag,
                                           unsigned long long expect, int stage, int mate)
 {
     return wait_geq_s(a, flag, expect, stage, a.rank0 + mate, 1,
-                      a.flags[mate] + HEP_FLAG_BLAME);
+                      a.flags[mate] + HEP_FLAG_BLAME, a.peers_sys != 0);
 }
 
 // The block's threads agree on `ok` (one flag per block in shared memory): every thread
@@ -161,7 +196,7 @@ __device__ __forceinline__ bool grid_wait(const hep_kargs &a, unsigned long long
 {
     bool ok = true;
     if (threadIdx.x == 0)
-        ok = wait_geq_s(a, ctr, expect, HEP_STAGE_PREPROCESS, a.rank0 + a.local, 2, NULL);
+        ok = wait_geq_s(a, ctr, expect, HEP_STAGE_PREPROCESS, a.rank0 + a.local, 2, NULL, false);
     return block_all(ok);
 }
 

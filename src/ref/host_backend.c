@@ -331,6 +331,15 @@ static uint16_t f32_bf16(float f)
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* -0.0 is the identity of IEEE addition (+0.0 is not: +0 + -0 = +0), so a token with a
+ * single row comes back bit for bit; the GPU kernels start from it too (and copy such a
+ * row). */
+static void acc_clear(float *acc, size_t H)
+{
+    for (size_t c = 0; c < H; c++)
+        acc[c] = -0.0f;
+}
+
 /* acc[0..H) += the rows of token i of v at the node-mates that received it, where `next`
  * counts, per node-mate, the tokens of that source routed to it so far. */
 static void add_node_share(hep_group *g, const view *v, int i, int src, int *next, float *acc)
@@ -380,7 +389,7 @@ int hep_host_combine(hep_group *g, const hep_combine_args *a)
         slot_view(g, g->local, m, &v);
         memset(next, 0, sizeof(next));
         for (int k = 0; k < v.t; k++) {
-            memset(acc, 0, sizeof(float) * H);
+            acc_clear(acc, H);
             add_node_share(g, &v, k, src, next, acc);
             for (size_t c = 0; c < H; c++)
                 red[((size_t)s * T + (size_t)k) * H + c] = f32_bf16(acc[c]);
@@ -407,7 +416,7 @@ int hep_host_combine(hep_group *g, const hep_combine_args *a)
     memset(next, 0, sizeof(next));
     for (int i = 0; rc == HEP_OK && i < g->last_t; i++) {
         uint16_t *out = (uint16_t *)a->out + (size_t)i * H;
-        memset(acc, 0, sizeof(float) * H);
+        acc_clear(acc, H);
         add_node_share(g, &mine, i, g->rank, next, acc);
         for (int m = 0; m < g->N; m++) {
             const uint16_t *p;
