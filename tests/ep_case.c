@@ -49,7 +49,7 @@ int ep_case_dispatch(ep_case *c, ep_rank_out *o, hep_group *g, const hep_dispatc
     o->rc_dispatch = hep_dispatch(g, da, dr);
     if (o->rc_dispatch)
         snprintf(o->err, sizeof(o->err), "%s", hep_last_error());
-    if (o->rc_dispatch && o->rc_dispatch != HEP_ERR_INVALID) {
+    if (o->rc_dispatch && o->rc_dispatch != HEP_WARN_IGNORED) { /* ignored input: go on */
         __atomic_add_fetch(&c->gave_up, 1, __ATOMIC_RELEASE);
         return 1;
     }
@@ -122,7 +122,22 @@ static int run_rank(rank_ctx *rc)
         } else {
             ca.expert_out = o->expert_out;
         }
-        o->rc_combine = hep_combine(g, &ca);
+        if (c->clobber_ids) { /* the caller reuses its id buffer: combine must not care */
+            size_t n = (size_t)in->t * (size_t)c->K, w = c->index64 ? 8 : 4;
+            void *keep = malloc(n * w + 1);
+            memcpy(keep, in->idx, n * w);
+            for (size_t q = 0; q < n; q++)
+                if (c->index64)
+                    ((long long *)in->idx)[q] = c->clobber_ids - 1;
+                else
+                    ((int *)in->idx)[q] = c->clobber_ids - 1;
+            rc->bs.barrier(rc->bs.ctx); /* every rank clobbered before any combines */
+            o->rc_combine = hep_combine(g, &ca);
+            memcpy(in->idx, keep, n * w);
+            free(keep);
+        } else {
+            o->rc_combine = hep_combine(g, &ca);
+        }
         if (o->rc_combine) {
             snprintf(o->err, sizeof(o->err), "%s", hep_last_error());
             break;

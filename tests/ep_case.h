@@ -35,6 +35,8 @@ typedef struct ep_case {
     int world, K, index64, skip_rank, zero_copy, repeat;
     int gave_up;              /* ranks whose dispatch failed (for skip_rank) */
     int has_t_fixed, t_fixed; /* ep_case_random: every rank gets t_fixed tokens */
+    int clobber_ids;          /* between dispatch and combine every rank overwrites its
+                                 topk_idx with this id + 1 (0: it does not), then restores it */
     ep_rank_in in[EP_MAX_RANKS];
     ep_rank_out out[EP_MAX_RANKS];
 } ep_case;

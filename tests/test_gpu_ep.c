@@ -693,6 +693,135 @@ static void gpu_create_destroy_100_times_leaks_no_device_memory_fd_or_thread(voi
     assert_int_equal(count_threads(), threads);
 }
 
+/* ---- fault paths on the GPU: destroy after a timeout, the capped kernel bound ---- */
+#define FAULT_H 7168
+typedef struct gpu_fault {
+    int R, early, delay_rank, rc_dispatch[4], rc_combine[4], rc_destroy[4];
+    char msg[4][1024];
+} gpu_fault;
+
+static int gpu_fault_rank(rank_ctx *r)
+{
+    gpu_fault *f = r->arg;
+    /* T = 4096 x H = 7168: each rank's receive buffer (235 MB) is far above the slack of
+     * the device memory check, so one kept arena fails it */
+    hep_config c = gcfg(FAULT_H, 4096, 2, 2, HEP_DTYPE_BF16, f->R);
+    hep_group_hooks hooks = {NULL, 1}; /* virtual nodes: the loopback NIC */
+    hep_group *g = NULL;
+    hep_dispatch_args da;
+    hep_dispatch_result dr;
+    void *x = NULL, *y = NULL;
+    int idx[64], rc;
+    float w[64];
+    c.backend = HEP_BACKEND_GPU;
+    cudaSetDevice(0);
+    rc = hep_group_create_ex(&c, &r->bs, 0, &hooks, &g);
+    if (rc)
+        return rc;
+    if (r->rank != f->early) {
+        cudaMalloc(&x, 32 * FAULT_H * 2);
+        cudaMalloc(&y, 32 * FAULT_H * 2);
+        cudaMemset(x, 0, 32 * FAULT_H * 2);
+        for (int i = 0; i < 64; i++)
+            idx[i] = (i * 3 + r->rank) % 8, w[i] = 1;
+        {
+            void *didx = NULL, *dw = NULL;
+            cudaMalloc(&didx, sizeof(idx));
+            cudaMalloc(&dw, sizeof(w));
+            cudaMemcpy(didx, idx, sizeof(idx), cudaMemcpyHostToDevice);
+            cudaMemcpy(dw, w, sizeof(w), cudaMemcpyHostToDevice);
+            memset(&da, 0, sizeof(da));
+            da.num_tokens = 32;
+            da.tokens = x;
+            da.topk_idx = didx;
+            da.topk = 2;
+            da.topk_weights = dw;
+            if (r->rank == f->delay_rank)
+                usleep(200 * 1000); /* later than a wrapped bound, far inside a capped one */
+            f->rc_dispatch[r->rank] = hep_dispatch(g, &da, &dr);
+            if (f->rc_dispatch[r->rank] == HEP_OK) {
+                hep_combine_args ca = {dr.handle, hep_combine_input(g), y, NULL, 0};
+                f->rc_combine[r->rank] = hep_combine(g, &ca);
+            }
+            snprintf(f->msg[r->rank], sizeof(f->msg[0]), "%s", hep_last_error());
+            cudaFree(didx);
+            cudaFree(dw);
+        }
+        cudaFree(x);
+        cudaFree(y);
+    }
+    f->rc_destroy[r->rank] = hep_group_destroy(g);
+    if (f->rc_destroy[r->rank])
+        snprintf(f->msg[r->rank], sizeof(f->msg[0]), "%s", hep_last_error());
+    return 0;
+}
+
+/* D3 on the GPU: one rank goes to destroy while the others time out on it; every destroy
+ * succeeds and the device memory of all four groups comes back. */
+static void gpu_destroy_after_a_timeout_frees_all_device_memory(void **state)
+{
+    static gpu_fault f;
+    rank_ctx ctx[4];
+    size_t free0, free1, total;
+    (void)state;
+    if (!have_gpu() || small_only())
+        skip();
+    for (int R = 4; R >= 2; R -= 2) {
+        memset(&f, 0, sizeof(f));
+        f.R = R;
+        f.early = 2;
+        f.delay_rank = -1;
+        f.rc_dispatch[2] = HEP_ERR_TIMEOUT; /* it never dispatches */
+        cudaSetDevice(0);
+        cudaFree(0);
+        cudaMemGetInfo(&free0, &total);
+        setenv("HEP_TIMEOUT_MS", "500", 1);
+        hep_env_reload();
+        assert_int_equal(run_ranks(4, gpu_fault_rank, &f, ctx), 0);
+        unsetenv("HEP_TIMEOUT_MS");
+        hep_env_reload();
+        cudaMemGetInfo(&free1, &total);
+        print_message("R %d: device free %zu -> %zu after a timeout and destroy\n", R, free0,
+                      free1);
+        for (int r = 0; r < 4; r++) {
+            if (ctx[r].rc)
+                fail_msg("rank %d: create: %s", r, ctx[r].err);
+            assert_int_equal(f.rc_dispatch[r], HEP_ERR_TIMEOUT);
+            if (f.rc_destroy[r] != HEP_OK)
+                fail_msg("R %d rank %d: destroy: %s", R, r, f.msg[r]);
+        }
+        /* one kept shared arena alone would be 235 MB missing */
+        assert_true(free1 + (64u << 20) >= free0);
+    }
+}
+
+/* D8 on the GPU: HEP_TIMEOUT_MS = 18446744073710 used to become timeout_ns = 0.45 ms after
+ * 64-bit wrap; capped, a rank that starts 200 ms late is no timeout. */
+static void gpu_huge_timeout_is_capped_not_wrapped_into_a_tiny_kernel_bound(void **state)
+{
+    static gpu_fault f;
+    rank_ctx ctx[4];
+    (void)state;
+    if (!have_gpu() || small_only())
+        skip();
+    memset(&f, 0, sizeof(f));
+    f.R = 2;
+    f.early = -1;
+    f.delay_rank = 1;
+    setenv("HEP_TIMEOUT_MS", "18446744073710", 1);
+    hep_env_reload();
+    assert_int_equal(run_ranks(4, gpu_fault_rank, &f, ctx), 0);
+    unsetenv("HEP_TIMEOUT_MS");
+    hep_env_reload();
+    for (int r = 0; r < 4; r++) {
+        if (ctx[r].rc)
+            fail_msg("rank %d: create: %s", r, ctx[r].err);
+        if (f.rc_dispatch[r] || f.rc_combine[r] || f.rc_destroy[r])
+            fail_msg("rank %d: dispatch %d combine %d destroy %d: %s", r, f.rc_dispatch[r],
+                     f.rc_combine[r], f.rc_destroy[r], f.msg[r]);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -705,6 +834,8 @@ int main(void)
         cmocka_unit_test(gpu_real_dmabuf_export_of_odd_sizes_covers_enclosing_pages),
         cmocka_unit_test(gpu_two_virtual_nodes_register_device_buffers_through_real_dmabuf),
         cmocka_unit_test(gpu_create_destroy_100_times_leaks_no_device_memory_fd_or_thread),
+        cmocka_unit_test(gpu_destroy_after_a_timeout_frees_all_device_memory),
+        cmocka_unit_test(gpu_huge_timeout_is_capped_not_wrapped_into_a_tiny_kernel_bound),
     };
     int n = 0;
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0); /* one hardware queue per virtual rank */

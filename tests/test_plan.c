@@ -154,8 +154,8 @@ static void plan_refuses_every_invalid_field(void **state)
     c.dtype = HEP_DTYPE_FP8_E4M3;
     c.hidden = 1000;
     expect_invalid(c, 1, 4, "multiple of 128");
-    expect_invalid(ok, 0, 4, "not valid");
-    expect_invalid(ok, 1, 0, "not valid");
+    expect_invalid(ok, 0, 4, "0 nodes is not in 1..32");
+    expect_invalid(ok, 1, 0, "0 ranks per node is not in 1..32");
 #undef BAD
 }
 

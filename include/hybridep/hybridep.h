@@ -28,6 +28,15 @@ typedef enum { HEP_BACKEND_GPU = 0, HEP_BACKEND_HOST = 1 } hep_backend;
 /* Channels of FP8 data per f32 scale. */
 #define HEP_FP8_BLOCK 128
 
+/* Group shapes each backend can create (hep_config_check and group creation refuse
+ * others). GPU: the kernels give one warp lane to each node-mate and to each node. Host:
+ * its ranks are threads of one process (with the in-process bootstrap at most 4096). Any
+ * backend: world x max_tokens <= 2^30 receive rows. */
+#define HEP_MAX_RANKS_PER_NODE_GPU 32
+#define HEP_MAX_NODES_GPU 32
+#define HEP_MAX_RANKS_PER_NODE_HOST 64
+#define HEP_MAX_NODES_HOST 64
+
 typedef struct hep_config {
     int hidden;           /* H: channels per token. BF16: a multiple of 8 (16-byte rows);
                              FP8: a multiple of 128. 8..65536. No default (0 = unset). */
@@ -39,7 +48,9 @@ typedef struct hep_config {
                              per 128 channels. Combine is always BF16 with f32 accumulation. */
     int ranks_per_node;   /* R: ranks of one NVLink domain. 0 (default) = the ranks of the
                              bootstrap that share a host. Must divide W. Virtual nodes: set
-                             R < W on one host and the loopback NIC carries the N > 1 path. */
+                             R < W on one host and the loopback NIC carries the N > 1 path.
+                             At most HEP_MAX_RANKS_PER_NODE_GPU / _HOST, with at most
+                             HEP_MAX_NODES_GPU / _HOST nodes (below). */
     int dispatch_sms;     /* SMs (thread blocks) of one rank's dispatch kernel, 1..132.
                              Default 16. All co-located ranks of a GPU must fit together. */
     int combine_sms;      /* likewise for combine. Default 16. */
@@ -52,7 +63,8 @@ typedef struct hep_config {
 /* Fill *c with the defaults above (the fields without a default are zero). */
 void hep_config_default(hep_config *c);
 /* 0 if *c is valid for a group of `world` ranks (0: check what can be checked without
- * one), else HEP_ERR_INVALID naming the field, its value and its limits. */
+ * one; negative: HEP_ERR_INVALID), else HEP_ERR_INVALID naming the field, its value and its
+ * limits (including the backend's group shape). On success hep_last_error() is "". */
 int hep_config_check(const hep_config *c, int world);
 
 typedef struct hep_group hep_group;
@@ -62,7 +74,14 @@ typedef struct hep_group hep_group;
  * returns an error with the failing rank's message; nothing stays allocated. */
 int hep_group_create(const hep_config *cfg, const hep_bootstrap *bs, int cuda_device,
                      hep_group **out);
-/* Collective. Releases everything in reverse order of creation. NULL is accepted. */
+/* Collective. Releases everything in reverse order of creation. NULL is accepted. Its
+ * barrier waits up to 4 x HEP_TIMEOUT_MS, so that ranks still returning from a call that
+ * timed out reach it: when every rank calls destroy, every byte is freed (also after a
+ * timeout). If a rank never comes, the others return its failure (HEP_ERR_TIMEOUT with the
+ * in-process bootstrap) and free everything except, on a rank that shares a node with a
+ * rank that may still be running, the memory that rank can still reach (host backend: the
+ * node-shared and local arenas; GPU: the node-shared arena); the message says how many
+ * bytes were kept and why. The group pointer is invalid afterwards in every case. */
 int hep_group_destroy(hep_group *g);
 
 /* Read-only facts about a created group. */
@@ -93,7 +112,7 @@ int hep_group_get_info(const hep_group *g, hep_group_info *info);
 
 typedef enum { HEP_INDEX_INT32 = 0, HEP_INDEX_INT64 = 1 } hep_index_type;
 
-/* Flags of dispatch/combine. */
+/* Flags of dispatch/combine (other bits: HEP_ERR_INVALID). */
 #define HEP_ASYNC 1u /* do not wait for the stream: no host synchronization (graph capture
                         with one node; across nodes the CPU proxy posts each call's writes,
                         so capture is refused with HEP_ERR_UNAVAILABLE); counts are only on
@@ -124,9 +143,12 @@ typedef struct hep_dispatch_result {
     uint64_t handle;          /* pass to hep_combine */
 } hep_dispatch_result;
 
-/* Dispatch this rank's tokens. Outputs stay valid until the next hep_combine.
- * Errors: HEP_ERR_INVALID (NULL pointers, t > T, topk > max_topk, an expert id out of
- * range, misaligned rows), HEP_ERR_TIMEOUT (a rank did not arrive within HEP_TIMEOUT_MS;
+/* Dispatch this rank's tokens. Outputs stay valid until the next hep_combine. The
+ * caller's buffers are read only during the call (combine uses what dispatch recorded).
+ * HEP_WARN_IGNORED: an expert id out of range (not -1 and not below E); that slot was
+ * ignored on every rank and the dispatch happened: call hep_combine as usual.
+ * Errors (nothing happened): HEP_ERR_INVALID (NULL pointers, t > T, topk > max_topk,
+ * unknown index type or flag bits, misaligned rows), HEP_ERR_TIMEOUT (a rank did not arrive within HEP_TIMEOUT_MS;
  * the message names it; the group cannot be used afterwards), HEP_ERR_VERBS (a network
  * write failed: peer, buffer and NIC text), HEP_ERR_UNAVAILABLE (graph capture across
  * nodes), HEP_ERR_CUDA. */
@@ -144,7 +166,11 @@ typedef struct hep_combine_args {
 int hep_combine(hep_group *g, const hep_combine_args *a);
 
 /* Where to write expert outputs for a combine without a copy: [max_recv_rows, H] BF16.
- * It shares bytes with the dispatch output tokens. */
+ * It shares bytes with the dispatch output tokens: with BF16, output row j is received
+ * row j; with FP8 (H bytes a received row, 2 H an output row) output row j covers
+ * received rows 2j and 2j + 1, so an expert that writes row j in place before it has read
+ * rows 2j and 2j + 1 destroys its own inputs: read them first, or write elsewhere (any
+ * other pointer is copied in). */
 void *hep_combine_input(hep_group *g);
 
 /* Wait for `stream` and report the first error of an HEP_ASYNC call (0 if none). */

@@ -23,8 +23,18 @@ typedef enum hep_status {
     HEP_ERR_MISMATCH = 7,    /* ranks disagree on the configuration */
     HEP_ERR_BOOTSTRAP = 8,   /* the bootstrap (allgather/barrier) failed */
     HEP_ERR_REMOTE = 9,      /* another rank failed; the message carries its text */
-    HEP_ERR_INTERNAL = 10    /* a broken invariant: a bug in hybridep */
+    HEP_ERR_INTERNAL = 10,   /* a broken invariant: a bug in hybridep */
+    HEP_WARN_IGNORED = 11    /* the call completed, but part of its input was ignored (the
+                                message names the first such input): unlike every
+                                HEP_ERR_ status, the collective step happened, its outputs
+                                are valid and the sequence goes on (after a dispatch, call
+                                hep_combine; retrying the call would desynchronize the
+                                group) */
 } hep_status;
+
+/* Status rule: HEP_OK and HEP_WARN_IGNORED mean the call did its collective work; every
+ * HEP_ERR_ status means it did not (the group's state is as before the call, or, after
+ * HEP_ERR_TIMEOUT / HEP_ERR_VERBS from dispatch or combine, unusable: destroy it). */
 
 /* The message of the last failure on this thread ("" if none). The pointer stays valid
  * until the next hybridep call on this thread. */
@@ -32,6 +42,16 @@ const char *hep_last_error(void);
 
 /* A short constant name for a status ("HEP_ERR_INVALID"). Never NULL. */
 const char *hep_status_name(int status);
+
+/* Set this thread's message (printf format) and return `status`, so that code outside
+ * hybridep that reports through it (a custom bootstrap's allgather or barrier, which must
+ * return "a status with hep_last_error() set") can write `return hep_set_last_error(
+ * HEP_ERR_BOOTSTRAP, "store: %s", why);`. The text is truncated to 2047 bytes. */
+int hep_set_last_error(int status, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
 
 #ifdef __cplusplus
 }

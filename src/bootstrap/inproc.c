@@ -71,7 +71,7 @@ static int collective(inproc_rank *me, const void *send, void *recv, size_t byte
     unsigned long gen;
     int rc = HEP_OK;
 
-    deadline_after(&dl, hep_env_get()->timeout_ms);
+    deadline_after(&dl, hep_wait_limit_ms());
     pthread_mutex_lock(&w->lock);
     if (w->broken)
         return broken_status(w);
@@ -127,7 +127,7 @@ static int collective(inproc_rank *me, const void *send, void *recv, size_t byte
             snprintf(w->why, sizeof(w->why),
                      "in-process bootstrap: %s timed out after %llu ms (HEP_TIMEOUT_MS); %d "
                      "rank(s) did not arrive: %s",
-                     what, (unsigned long long)hep_env_get()->timeout_ms, n,
+                     what, (unsigned long long)hep_wait_limit_ms(), n,
                      n ? who : "none (a reader was late)");
         } else {
             w->why_rc = rc == ENOMEM ? HEP_ERR_NOMEM : HEP_ERR_BOOTSTRAP;
@@ -152,7 +152,10 @@ static int inproc_barrier(void *ctx)
 int hep_inproc_world_create(int size, hep_inproc_world **world)
 {
     hep_inproc_world *w;
-    if (!world || size <= 0 || size > 4096)
+    if (!world)
+        return hep_fail(HEP_ERR_INVALID, "in-process world: the output pointer is NULL");
+    *world = NULL;
+    if (size <= 0 || size > 4096)
         return hep_fail(HEP_ERR_INVALID, "in-process world: size %d is not in 1..4096", size);
     w = calloc(1, sizeof(*w) + (size_t)size * sizeof(inproc_rank));
     if (!w)

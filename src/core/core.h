@@ -35,9 +35,11 @@ typedef enum { HEP_MR_MODE_AUTO = 0, HEP_MR_MODE_DMABUF = 1, HEP_MR_MODE_LEGACY 
 typedef struct hep_env {
     int log_level;          /* HEP_LOG_LEVEL: error|warn|info|debug (default info) */
     int mr_mode;            /* HEP_GPU_MR_MODE: auto|dmabuf|legacy (default auto) */
-    uint64_t timeout_ms;    /* HEP_TIMEOUT_MS: bound of every wait (default 30000) */
-    const char *nic_map;    /* HEP_NIC_MAP: "gpu:device,..." (default: nearest by PCI) */
-    int gid_index;          /* HEP_IB_GID_INDEX: -1 = pick RoCE v2 automatically */
+    uint64_t timeout_ms;    /* HEP_TIMEOUT_MS: bound of every wait (default 30000), 1..
+                               HEP_TIMEOUT_MAX_MS (larger values are capped) */
+    const char *nic_map;    /* HEP_NIC_MAP: "gpu:device,..." (NULL: nearest by PCI; a
+                               malformed value is reported and ignored) */
+    int gid_index;          /* HEP_IB_GID_INDEX: 0..255; -1 = pick RoCE v2 automatically */
     const char *ibverbs_lib;/* HEP_IBVERBS_LIB: path of libibverbs (default libibverbs.so.1) */
     const char *nic;        /* HEP_NIC: loopback|verbs|auto (default auto) */
     char errors[512];       /* what could not be parsed, "" if all were fine */
@@ -46,6 +48,16 @@ typedef struct hep_env {
 const hep_env *hep_env_get(void);
 /* Read the environment again (tests change variables between cases). */
 const hep_env *hep_env_reload(void);
+
+/* The largest HEP_TIMEOUT_MS (24 hours): in nanoseconds, times 2 plus an eighth (the
+ * kernels' longest bound), it stays far below 2^64. */
+#define HEP_TIMEOUT_MAX_MS 86400000ull
+/* HEP_TIMEOUT_MS (capped) in ns, for the kernels' bound. */
+uint64_t hep_timeout_ns(void);
+/* The bound of a host-side wait on this thread: HEP_TIMEOUT_MS times the patience factor
+ * (1 unless set: destroy waits longer, so that ranks still timing out in a call reach it). */
+uint64_t hep_wait_limit_ms(void);
+void hep_wait_patience(unsigned factor);
 
 /* ---- checked arithmetic (1 on overflow) ---- */
 static inline int hep_mul_overflow(size_t a, size_t b, size_t *out)

@@ -12,13 +12,28 @@ const char *hep_last_error(void)
     return hep_err;
 }
 
+static int fail_v(int status, const char *fmt, va_list ap)
+{
+    vsnprintf(hep_err, sizeof(hep_err), fmt ? fmt : "", ap);
+    hep_log(HEP_LOG_DEBUG, "error %s: %s", hep_status_name(status), hep_err);
+    return status;
+}
+
 int hep_fail(int status, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(hep_err, sizeof(hep_err), fmt, ap);
+    status = fail_v(status, fmt, ap);
     va_end(ap);
-    hep_log(HEP_LOG_DEBUG, "error %s: %s", hep_status_name(status), hep_err);
+    return status;
+}
+
+int hep_set_last_error(int status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    status = fail_v(status, fmt, ap);
+    va_end(ap);
     return status;
 }
 
@@ -46,6 +61,7 @@ const char *hep_status_name(int status)
     case HEP_ERR_BOOTSTRAP: return "HEP_ERR_BOOTSTRAP";
     case HEP_ERR_REMOTE: return "HEP_ERR_REMOTE";
     case HEP_ERR_INTERNAL: return "HEP_ERR_INTERNAL";
+    case HEP_WARN_IGNORED: return "HEP_WARN_IGNORED";
     default: return "HEP_ERR_UNKNOWN";
     }
 }

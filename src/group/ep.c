@@ -159,6 +159,9 @@ static int check_dispatch(const hep_group *g, const hep_dispatch_args *a, hep_di
     if (a->index_type != HEP_INDEX_INT32 && a->index_type != HEP_INDEX_INT64)
         return hep_fail(HEP_ERR_INVALID, "hep_dispatch: index_type %d is not int32 or int64",
                         (int)a->index_type);
+    if (a->flags & ~HEP_ASYNC)
+        return hep_fail(HEP_ERR_INVALID, "hep_dispatch: flags 0x%x has bits other than HEP_ASYNC",
+                        a->flags);
     if (a->num_tokens == 0)
         return HEP_OK;
     if ((rc = check_ptr(a->tokens, 16, "hep_dispatch: tokens")) ||
@@ -198,7 +201,8 @@ static int diag_status(hep_group *g, const char *call)
         int tok = d->bad_token, slot = d->bad_slot;
         long long v = d->bad_value;
         d->invalid_claimed = 0;
-        return hep_fail(HEP_ERR_INVALID,
+        /* the kernels ignored that slot and finished: the call happened (not an error) */
+        return hep_fail(HEP_WARN_IGNORED,
                         "%s on rank %d: topk_idx[%d][%d] = %lld is not -1 or an expert id in "
                         "0..%d (that slot was ignored)",
                         call, g->rank, tok, slot, v,
@@ -312,7 +316,7 @@ int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *
     k->scales = a->scales;
     k->topk_idx = a->topk_idx;
     k->weights = a->topk_weights;
-    k->timeout_ns = hep_env_get()->timeout_ms * 1000000ull;
+    k->timeout_ns = hep_timeout_ns(); /* capped: the kernels' bound arithmetic cannot wrap */
     if (g->N > 1) {
         rc = start_network(g, 0, g->cfg.dispatch_sms, a->stream, g->epoch + 1);
         if (rc)
@@ -325,11 +329,11 @@ int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *
     if (rc)
         return cuda_status((cudaError_t)rc, "hep_dispatch: kernel launch");
     g->last_t = a->num_tokens;
-    g->last_handle = ++g->epoch;
+    g->last_handle = hep_handle_of(g, ++g->epoch);
     hep_fill_dispatch_result(g, o);
     o->handle = g->last_handle;
     rc = finish(g, a->stream, a->flags, "dispatch");
-    if (rc == HEP_OK && !(a->flags & HEP_ASYNC))
+    if ((rc == HEP_OK || rc == HEP_WARN_IGNORED) && !(a->flags & HEP_ASYNC))
         o->num_recv = o->host_counts[0];
     return rc;
 }
@@ -343,10 +347,13 @@ int hep_combine(hep_group *g, const hep_combine_args *a)
     if (g->broken)
         return hep_fail(HEP_ERR_TIMEOUT, "group is unusable after an earlier failure: %s",
                         g->broken_msg);
+    if (a->flags & ~HEP_ASYNC)
+        return hep_fail(HEP_ERR_INVALID, "hep_combine: flags 0x%x has bits other than HEP_ASYNC",
+                        a->flags);
     if (a->handle == 0 || a->handle != g->last_handle)
         return hep_fail(HEP_ERR_INVALID,
-                        "hep_combine: handle %llu is not the last dispatch's (%llu): combine "
-                        "follows its dispatch, once",
+                        "hep_combine: handle 0x%llx is not this group's last dispatch's (0x%llx): "
+                        "combine follows its dispatch, once, on the same group",
                         (unsigned long long)a->handle, (unsigned long long)g->last_handle);
     if (g->last_t > 0 && ((rc = check_ptr(a->out, 16, "hep_combine: out")) ||
                           (rc = check_ptr(a->expert_out, 16, "hep_combine: expert_out"))))

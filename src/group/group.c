@@ -1,4 +1,5 @@
 /* group/group.c: collective creation and destruction of an EP group. */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -355,6 +356,18 @@ static int setup_internode(hep_group *g, const rank_card *cards, const hep_group
     return rc;
 }
 
+/* A tag per group of this process, in every handle, so that one group refuses another's
+ * handle although both count their calls from 1. Never 0 (0 is "no handle"). */
+static uint64_t next_handle_tag(void)
+{
+    static uint64_t counter;
+    uint64_t t;
+    do
+        t = __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED) & HEP_HANDLE_TAG_MASK;
+    while (t == 0);
+    return t;
+}
+
 static void teardown(hep_group *g)
 {
     hep_ep_teardown(g);
@@ -387,6 +400,7 @@ int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda
         return hep_fail(HEP_ERR_NOMEM, "hep_group_create: out of memory");
     }
     g->bs = *bs;
+    g->handle_tag = next_handle_tag();
     g->rank = bs->rank;
     g->world = bs->size;
     g->device = cuda_device;
@@ -469,27 +483,127 @@ int hep_group_create(const hep_config *cfg, const hep_bootstrap *bs, int cuda_de
     return hep_group_create_ex(cfg, bs, cuda_device, NULL, out);
 }
 
+/* Ranks still inside a call that is timing out return within about 2 x HEP_TIMEOUT_MS
+ * (a kernel's wait on a node-mate runs 2 + 1/8 bounds): destroy waits longer than that,
+ * so that when every rank reaches it, the barrier holds and everything is freed. */
+#define HEP_DESTROY_PATIENCE 4
+
+/* Arenas a failed destroy could not free, kept reachable (and counted) rather than lost. */
+typedef struct kept_arena {
+    struct kept_arena *next;
+    void *p;
+    size_t bytes;
+} kept_arena;
+static kept_arena *kept_list;
+static size_t kept_total;
+static pthread_mutex_t kept_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static size_t keep_arena(hep_group *g, int a)
+{
+    kept_arena *k = malloc(sizeof(*k));
+    size_t bytes = g->plan.arena_bytes[a];
+    if (!g->arena[a])
+        return 0;
+    pthread_mutex_lock(&kept_lock);
+    if (k) {
+        k->p = g->arena[a];
+        k->bytes = bytes;
+        k->next = kept_list;
+        kept_list = k;
+    }
+    kept_total += bytes;
+    pthread_mutex_unlock(&kept_lock);
+    g->arena[a] = NULL;
+    return bytes;
+}
+
+size_t hep_group_kept_bytes(void)
+{
+    size_t n;
+    pthread_mutex_lock(&kept_lock);
+    n = kept_total;
+    pthread_mutex_unlock(&kept_lock);
+    return n;
+}
+
+/* Host backend: tell every node-mate that this rank no longer reads its memory. After
+ * this store nothing of mate l is touched again (l may free it as soon as it sees it). */
+static void mark_departed(hep_group *g)
+{
+    for (int l = 0; l < g->R; l++)
+        if (l != g->local)
+            __atomic_store_n((uint64_t *)hep_peer_buf(g, l, HEP_BUF_MAILBOX) + HEP_MB_DEPARTED +
+                                 g->local,
+                             1, __ATOMIC_RELEASE);
+}
+
+/* Host backend: -1 if every node-mate has entered destroy, else the first that has not. */
+static int first_absent_mate(hep_group *g)
+{
+    const uint64_t *mb = (const uint64_t *)hep_my_buf(g, HEP_BUF_MAILBOX);
+    for (int l = 0; l < g->R; l++)
+        if (l != g->local && !__atomic_load_n(mb + HEP_MB_DEPARTED + l, __ATOMIC_ACQUIRE))
+            return g->node * g->R + l;
+    return -1;
+}
+
+/* Ranks still inside a call that is timing out return within about 2 x HEP_TIMEOUT_MS
+ * (a kernel's wait on a node-mate runs 2 + 1/8 bounds): destroy waits longer than that,
+ * so that when every rank reaches it, the barrier holds and everything is freed. */
+#define HEP_DESTROY_PATIENCE 4
+
 int hep_group_destroy(hep_group *g)
 {
-    int rc;
+    int rc, host, absent = -1;
+    size_t kept = 0;
+    char why[1024];
     if (!g)
         return HEP_OK;
+    host = g->cfg.backend == HEP_BACKEND_HOST;
     /* nobody may still read or write this rank's memory */
-    if (g->cfg.backend == HEP_BACKEND_GPU) {
+    if (!host) {
         cudaSetDevice(g->device);
         cudaDeviceSynchronize();
+        (void)cudaGetLastError();
+    } else if (g->arena[HEP_ARENA_SHARED]) {
+        mark_departed(g);
     }
+    hep_wait_patience(HEP_DESTROY_PATIENCE);
     rc = g->bs.barrier(g->bs.ctx);
-    if (rc != HEP_OK && g->R > 1) {
-        /* A node-mate did not arrive: it may still read or write this rank's shared
-         * buffers, so they stay allocated (a fault in a late rank would be worse). */
-        hep_log(HEP_LOG_WARN,
-                "rank %d: destroy barrier failed (%s); its %zu bytes of node-shared buffers are "
-                "left allocated so that a late node-mate cannot fault",
-                g->rank, hep_last_error(), g->plan.arena_bytes[HEP_ARENA_SHARED]);
-        g->arena[HEP_ARENA_SHARED] = NULL;
+    hep_wait_patience(1);
+    if (rc == HEP_OK || g->R == 1) {
+        teardown(g);
+        free(g);
+        return rc;
+    }
+    snprintf(why, sizeof(why), "%s", hep_last_error());
+    /* Host backend: node-mates poll each other's shared and local arenas; those that
+     * entered destroy have stopped. GPU: a node-mate's kernels may still reach the shared
+     * arena (the only one they map), and a node-mate in another process cannot be asked. */
+    absent = host ? first_absent_mate(g) : g->node * g->R + (g->local + 1) % g->R;
+    if (absent >= 0) {
+        kept = keep_arena(g, HEP_ARENA_SHARED);
+        if (host)
+            kept += keep_arena(g, HEP_ARENA_LOCAL);
     }
     teardown(g);
+    if (absent < 0)
+        rc = hep_fail(rc, "rank %d: destroy barrier failed (%s); every node-mate had entered "
+                          "destroy, so everything was freed", g->rank, why);
+    else if (host)
+        rc = hep_fail(rc,
+                      "rank %d: destroy barrier failed (%s); node-mate rank %d did not enter "
+                      "destroy and may still read this rank's memory, so its %zu bytes of "
+                      "node-shared and local arenas were kept allocated; everything else was "
+                      "freed",
+                      g->rank, why, absent, kept);
+    else
+        rc = hep_fail(rc,
+                      "rank %d: destroy barrier failed (%s); a node-mate's kernels may still "
+                      "read or write this rank's node-shared arena, so its %zu bytes were kept "
+                      "allocated; everything else was freed",
+                      g->rank, why, kept);
+    hep_log(HEP_LOG_WARN, "%s", hep_last_error());
     free(g);
     return rc;
 }

@@ -14,7 +14,8 @@
 /* The host backend's mailbox (sync.mailbox, u64 words): what a rank publishes to its
  * node-mates, who read it in the same address space. */
 enum { HEP_MB_TOKENS, HEP_MB_SCALES, HEP_MB_IDX, HEP_MB_WEIGHTS, HEP_MB_T, HEP_MB_K,
-       HEP_MB_INDEX64, HEP_MB_COMBINE_IN, HEP_MB_LOCAL };
+       HEP_MB_INDEX64, HEP_MB_COMBINE_IN, HEP_MB_LOCAL,
+       HEP_MB_DEPARTED = 16 /* [R]: node-mate l entered destroy (it no longer reads here) */ };
 
 /* Test hooks of group creation (internal; not part of the public ABI). */
 typedef struct hep_group_hooks {
@@ -42,7 +43,8 @@ struct hep_group {
     struct hep_kargs *kargs;        /* GPU backend: launch arguments, node pointers filled */
     int last_t;                     /* tokens of the last dispatch */
     int last_recv;                  /* rows received by it (host backend, sync mode) */
-    uint64_t last_handle;
+    uint64_t last_handle;           /* hep_handle_of(epoch of the last dispatch), 0 after combine */
+    uint64_t handle_tag;            /* this group's tag in its handles */
     int broken;                     /* a timeout left the flags inconsistent */
     char broken_msg[1024];
 };
@@ -71,8 +73,21 @@ struct hep_proxy_chunk hep_wire_count_then_flag(const hep_group *g, int peer, in
  * (N - 1) x (4 S + 2). Returns the number of chunks. */
 int hep_wire_gpu_batch(const hep_group *g, int phase, int S, struct hep_proxy_chunk *ch);
 
+/* Bytes that failed destroys kept allocated in this process (a node-mate that did not
+ * arrive may still use them); they stay reachable from a list, not lost. */
+size_t hep_group_kept_bytes(void);
+
 int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda_device,
                         const hep_group_hooks *hooks, hep_group **out);
+
+/* A dispatch's handle: the group's tag above its call count. */
+#define HEP_HANDLE_EPOCH_BITS 40
+#define HEP_HANDLE_TAG_MASK ((1ull << (64 - HEP_HANDLE_EPOCH_BITS)) - 1)
+static inline uint64_t hep_handle_of(const hep_group *g, uint64_t epoch)
+{
+    return g->handle_tag << HEP_HANDLE_EPOCH_BITS |
+           (epoch & ((1ull << HEP_HANDLE_EPOCH_BITS) - 1));
+}
 
 /* Pointer to buffer `id` in node-mate `local`'s shared arena, or in this rank's arena. */
 static inline char *hep_peer_buf(const hep_group *g, int local, int id)

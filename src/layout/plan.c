@@ -16,6 +16,37 @@ void hep_config_default(hep_config *c)
     c->backend = HEP_BACKEND_GPU;
 }
 
+_Static_assert(HEP_MAX_RANKS_PER_NODE_GPU == HEP_GPU_MAX_LOCAL &&
+                   HEP_MAX_NODES_GPU == HEP_GPU_MAX_NODES,
+               "the public limits are the kernels' limits");
+
+static int max_local(const hep_config *c)
+{
+    return c->backend == HEP_BACKEND_HOST ? HEP_MAX_RANKS_PER_NODE_HOST
+                                          : HEP_MAX_RANKS_PER_NODE_GPU;
+}
+static int max_nodes(const hep_config *c)
+{
+    return c->backend == HEP_BACKEND_HOST ? HEP_MAX_NODES_HOST : HEP_MAX_NODES_GPU;
+}
+static const char *backend_name(const hep_config *c)
+{
+    return c->backend == HEP_BACKEND_HOST ? "host backend" : "GPU backend";
+}
+
+/* nodes x ranks_per_node within the backend's limits (hybridep.h) */
+static int check_shape(const hep_config *c, int nodes, int ranks_per_node)
+{
+    if (ranks_per_node < 1 || ranks_per_node > max_local(c))
+        return hep_fail(HEP_ERR_INVALID,
+                        "%d ranks per node is not in 1..%d (the %s's limit)", ranks_per_node,
+                        max_local(c), backend_name(c));
+    if (nodes < 1 || nodes > max_nodes(c))
+        return hep_fail(HEP_ERR_INVALID, "%d nodes is not in 1..%d (the %s's limit)", nodes,
+                        max_nodes(c), backend_name(c));
+    return HEP_OK;
+}
+
 static int range(const char *field, long v, long lo, long hi, const char *why)
 {
     if (v < lo || v > hi)
@@ -29,16 +60,25 @@ int hep_config_check(const hep_config *c, int world)
     int rc;
     if (!c)
         return hep_fail(HEP_ERR_INVALID, "config is NULL");
+    if (world < 0)
+        return hep_fail(HEP_ERR_INVALID,
+                        "hep_config_check: world = %d is negative (0: check without a group size)",
+                        world);
+    if ((rc = range("backend", c->backend, 0, 1, "0 = GPU, 1 = host")))
+        return rc;
     if ((rc = range("hidden", c->hidden, 8, 65536, NULL)) ||
         (rc = range("max_tokens", c->max_tokens, 1, 65536, NULL)) ||
         (rc = range("experts_per_rank", c->experts_per_rank, 1, 1024, NULL)) ||
         (rc = range("max_topk", c->max_topk, 1, 32, NULL)) ||
         (rc = range("dtype", c->dtype, 0, 1, "0 = BF16, 1 = FP8 E4M3")) ||
-        (rc = range("ranks_per_node", c->ranks_per_node, 0, 72, "0 = ranks sharing a host")) ||
+        (rc = range("ranks_per_node", c->ranks_per_node, 0, max_local(c),
+                    c->backend == HEP_BACKEND_HOST ? "0 = ranks sharing a host; the host "
+                                                     "backend's limit"
+                                                   : "0 = ranks sharing a host; the GPU "
+                                                     "kernels' limit")) ||
         (rc = range("dispatch_sms", c->dispatch_sms, 1, 132, NULL)) ||
         (rc = range("combine_sms", c->combine_sms, 1, 132, NULL)) ||
-        (rc = range("chunk_tokens", c->chunk_tokens, 1, 4096, NULL)) ||
-        (rc = range("backend", c->backend, 0, 1, "0 = GPU, 1 = host")))
+        (rc = range("chunk_tokens", c->chunk_tokens, 1, 4096, NULL)))
         return rc;
     if (c->dtype == HEP_DTYPE_BF16 && c->hidden % 8)
         return hep_fail(HEP_ERR_INVALID,
@@ -50,10 +90,17 @@ int hep_config_check(const hep_config *c, int world)
                         "per %d)",
                         c->hidden, HEP_FP8_BLOCK, HEP_FP8_BLOCK);
     if (world > 0) {
+        long most = (long)max_local(c) * max_nodes(c);
         if (c->ranks_per_node > 0 && world % c->ranks_per_node)
             return hep_fail(HEP_ERR_INVALID,
                             "config.ranks_per_node = %d does not divide the %d ranks of the group",
                             c->ranks_per_node, world);
+        if (c->ranks_per_node > 0 &&
+            (rc = check_shape(c, world / c->ranks_per_node, c->ranks_per_node)))
+            return rc;
+        if (world > most)
+            return hep_fail(HEP_ERR_INVALID, "a group of %d ranks exceeds the %s's %ld (%d nodes x %d)",
+                            world, backend_name(c), most, max_nodes(c), max_local(c));
         if ((long)c->max_topk > (long)c->experts_per_rank * world)
             return hep_fail(HEP_ERR_INVALID,
                             "config.max_topk = %d exceeds the %ld experts of the group",
@@ -63,6 +110,7 @@ int hep_config_check(const hep_config *c, int world)
                             "world x max_tokens = %lld exceeds 2^30 receive rows",
                             (long long)world * c->max_tokens);
     }
+    hep_clear_error(); /* valid: no earlier call's message may stand for this one */
     return HEP_OK;
 }
 
@@ -201,9 +249,11 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
     if (!p)
         return hep_fail(HEP_ERR_INVALID, "plan output is NULL");
     memset(p, 0, sizeof(*p));
-    if (nodes < 1 || ranks_per_node < 1 || nodes > 4096 || ranks_per_node > 72)
-        return hep_fail(HEP_ERR_INVALID, "plan: %d nodes x %d ranks per node is not valid",
-                        nodes, ranks_per_node);
+    if (!c)
+        return hep_fail(HEP_ERR_INVALID, "config is NULL");
+    if ((rc = range("backend", c->backend, 0, 1, "0 = GPU, 1 = host")) ||
+        (rc = check_shape(c, nodes, ranks_per_node)))
+        return rc;
     rc = hep_config_check(c, nodes * ranks_per_node);
     if (rc)
         return rc;
@@ -234,7 +284,9 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
     add(&x, HEP_BUF_COUNTS, "sync.counts", "both", "i32", 4, mul3(&x, 2, W, El + 1),
         HEP_ARENA_SHARED, 0);
     add(&x, HEP_BUF_FLAGS, "sync.flags", "both", "u64", 8, p->flag_words, HEP_ARENA_SHARED, 0);
-    add(&x, HEP_BUF_MAILBOX, "sync.mailbox", "both", "u64", 8, 16, HEP_ARENA_SHARED, 0);
+    /* 16 words of what a rank publishes, then one destroy mark per node-mate */
+    add(&x, HEP_BUF_MAILBOX, "sync.mailbox", "both", "u64", 8, 16 + (size_t)ranks_per_node,
+        HEP_ARENA_SHARED, 0);
     /* [node][T][R] position at each node-mate of the tokens this rank forwards (its own,
      * then those received from each other node), then [T][N] each own token's position in
      * the slot of each node, then [132][N] per-block node counts */
@@ -248,6 +300,9 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
     add(&x, HEP_BUF_DIAG, "diag.timeout_record", "both", "byte", 1, 4096, HEP_ARENA_MAPPED, 0);
     add(&x, HEP_BUF_HOST_COUNTS, "host.recv_counts", "dispatch", "i32", 4, El + 1,
         HEP_ARENA_PINNED, 0);
+    if (c->backend == HEP_BACKEND_HOST) /* what combine reads back (not the caller's ids) */
+        add(&x, HEP_BUF_HANDLE_IDS, "handle.topk_idx", "both", "i32", 4,
+            mul3(&x, T, (size_t)c->max_topk, 1), HEP_ARENA_LOCAL, 0);
     if (nodes > 1) {
         add(&x, HEP_BUF_PROXY, "proxy.ready_counters", "both", "u64", 8,
             2 * (size_t)nodes * HEP_PX_NODE_WORDS, HEP_ARENA_MAPPED, 0);

@@ -35,6 +35,7 @@ typedef enum {
     HEP_BUF_DIAG,
     HEP_BUF_HOST_COUNTS,
     HEP_BUF_PROXY,
+    HEP_BUF_HANDLE_IDS, /* host backend: the dispatch's top-k ids (invalid ones as -1) */
     /* the 14 RDMA-registered inter-node buffers (N > 1) */
     HEP_BUF_D_ATTN_TOKEN,
     HEP_BUF_D_ATTN_FLAGS,

@@ -161,6 +161,30 @@ static void own_view(hep_group *g, int l, view *v)
     v->index64 = (int)m[HEP_MB_INDEX64];
 }
 
+/* This rank's routing as its last dispatch saw it, from the group's copy: combine must
+ * not read the caller's topk_idx again (it may be freed or reused by then). */
+static void recorded_view(hep_group *g, view *v)
+{
+    memset(v, 0, sizeof(*v));
+    v->slot = 1;
+    v->kmax = g->cfg.max_topk;
+    v->t = g->last_t;
+    v->ids = (const int *)hep_my_buf(g, HEP_BUF_HANDLE_IDS);
+}
+
+/* Copy the caller's ids as slots of kmax (an invalid id, or a slot past topk, as -1). */
+static void record_ids(hep_group *g, const view *mine)
+{
+    const int kmax = g->cfg.max_topk;
+    const long long E = (long long)g->cfg.experts_per_rank * g->world;
+    int *ids = (int *)hep_my_buf(g, HEP_BUF_HANDLE_IDS);
+    for (int i = 0; i < mine->t; i++)
+        for (int k = 0; k < kmax; k++) {
+            long long x = k < mine->K ? id_at(mine, i, k) : -1;
+            ids[(size_t)i * (size_t)kmax + (size_t)k] = x >= 0 && x < E ? (int)x : -1;
+        }
+}
+
 /* Node-mate l's receive slot for source node ns (count from its flag words). */
 static void slot_view(hep_group *g, int l, int ns, view *v)
 {
@@ -293,6 +317,7 @@ int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_res
     base[W] = row;
     own_view(g, g->local, &mine);
     bad = first_invalid(g, &mine, &tok, &slot, &val);
+    record_ids(g, &mine);
     /* nobody may return (and free its inputs) while another still reads them */
     __atomic_store_n(flags_of(g, g->local) + DONE_DISPATCH, e, __ATOMIC_RELEASE);
     rc = wait_mates(g, DONE_DISPATCH, e, "the node-mates to finish reading");
@@ -301,14 +326,15 @@ int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_res
     g->epoch = e;
     g->last_t = a->num_tokens;
     g->last_recv = row;
-    g->last_handle = e;
+    g->last_handle = hep_handle_of(g, e);
     hep_fill_dispatch_result(g, o);
     o->num_recv_device = host_counts;
     o->tokens_per_expert_device = host_counts + 1;
-    o->num_recv = row;
-    o->handle = e;
-    if (bad)
-        return hep_fail(HEP_ERR_INVALID,
+    /* as documented for HEP_ASYNC (and as the GPU path does): counts only in the buffers */
+    o->num_recv = a->flags & HEP_ASYNC ? -1 : row;
+    o->handle = g->last_handle;
+    if (bad) /* the dispatch happened: the caller must go on to combine */
+        return hep_fail(HEP_WARN_IGNORED,
                         "dispatch on rank %d: topk_idx[%d][%d] = %lld is not -1 or an expert id "
                         "in 0..%d (that slot was ignored)",
                         g->rank, tok, slot, val, El * g->world - 1);
@@ -412,7 +438,7 @@ int hep_host_combine(hep_group *g, const hep_combine_args *a)
         if (m != g->node)
             rc = wait_ge(g, (volatile uint64_t *)&in[g->N + hep_slot_of(m, g->node)], e,
                          m * g->R + g->local, "its partial sums");
-    own_view(g, g->local, &mine);
+    recorded_view(g, &mine);
     memset(next, 0, sizeof(next));
     for (int i = 0; rc == HEP_OK && i < g->last_t; i++) {
         uint16_t *out = (uint16_t *)a->out + (size_t)i * H;
