@@ -106,11 +106,12 @@ int hep_shm_create(hep_group *g)
     fd = shm_open(s->name, O_RDWR | O_CREAT | O_EXCL, 0600);
     if (fd < 0) {
         err = errno;
+        rc = hep_fail(err == ENOSPC || err == ENOMEM ? HEP_ERR_NOMEM : HEP_ERR_UNAVAILABLE,
+                      "host shared memory: shm_open('%s') failed: %s (is /dev/shm mounted "
+                      "and writable?)",
+                      s->name, strerror(err));
         free(s);
-        return hep_fail(err == ENOSPC || err == ENOMEM ? HEP_ERR_NOMEM : HEP_ERR_UNAVAILABLE,
-                        "host shared memory: shm_open('%s') failed: %s (is /dev/shm mounted "
-                        "and writable?)",
-                        s->name, strerror(err));
+        return rc;
     }
     s->linked = 1;
     err = ftruncate(fd, (off_t)s->len) ? errno : 0;
