@@ -22,3 +22,25 @@ cmake -S . -B build/asan -DCMAKE_BUILD_TYPE=Debug -DHEP_SANITIZE=ON -DHEP_CUDA_A
 cmake --build build/asan -j"$jobs"
 echo "== tests (sanitizers)"
 ctest --test-dir build/asan --output-on-failure -j"$jobs" --timeout 900
+
+# ---- Python package: hybridep for PyTorch on the host backend, one process per rank ----
+echo "== python package tests (host backend, torch.distributed gloo processes)"
+py=${HEP_PYTHON:-/usr/bin/python3}
+if ! "$py" -c "import torch, pytest, numpy, setuptools" 2>/dev/null; then
+    if [ "$(id -u)" = 0 ]; then
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+            python3-torch python3-pytest python3-numpy python3-setuptools python3-pip >/dev/null
+    else
+        echo "missing: sudo apt-get install -y python3-torch python3-pytest python3-numpy python3-setuptools python3-pip" >&2
+        exit 1
+    fi
+fi
+rm -rf build/pyinstall
+HEP_BUILD_DIR=build/release HEP_PYTHON="$py" bash scripts/install_python.sh --target build/pyinstall --quiet
+py_rc=0
+(cd build && PYTHONPATH="$PWD/pyinstall" HEP_TIMEOUT_MS=20000 timeout 600 \
+    "$py" -m pytest -q -rs -p no:cacheprovider ../python/tests) || py_rc=$?
+if [ "$py_rc" != 0 ]; then
+    echo "python package tests failed (pytest exit $py_rc; 5 = no tests collected)" >&2
+    exit 1
+fi

@@ -9,6 +9,7 @@
 
 #include "core/core.h"
 #include "group/group.h"
+#include "group/shm.h"
 
 /* What each rank tells the others at creation. */
 typedef struct rank_card {
@@ -167,6 +168,8 @@ static int cuda_fail(cudaError_t e, const char *what, size_t bytes)
                     cudaGetErrorString(e));
 }
 
+static int all_on_one_host(const rank_card *cards, int world);
+
 static int alloc_arenas(hep_group *g)
 {
     int host = g->cfg.backend == HEP_BACKEND_HOST;
@@ -174,7 +177,7 @@ static int alloc_arenas(hep_group *g)
         size_t bytes = g->plan.arena_bytes[a];
         cudaError_t e = cudaSuccess;
         void *p = NULL;
-        if (bytes == 0)
+        if (bytes == 0 || g->arena[a]) /* already placed (host shared memory) */
             continue;
         if (host) {
             p = aligned_alloc(4096, bytes);
@@ -237,6 +240,8 @@ static void free_arenas(hep_group *g)
 static int map_peers(hep_group *g, const rank_card *cards)
 {
     int base = g->node * g->R;
+    if (g->shm)
+        return hep_shm_map_mates(g); /* host backend across processes */
     for (int l = 0; l < g->R; l++) {
         const rank_card *c = &cards[base + l];
         if (l == g->local) {
@@ -346,10 +351,12 @@ static int setup_internode(hep_group *g, const rank_card *cards, const hep_group
             hep_verbs_device_count() == 0)
             o.loopback = 1; /* virtual nodes in one process, no NIC: the loopback NIC */
     o.mr_override = hooks ? hooks->mr_override : NULL;
-    if (o.loopback && !all_on_one_host(cards, g->world))
-        return hep_fail(HEP_ERR_INVALID,
-                        "the loopback NIC joins ranks of one process only; these ranks span "
-                        "processes: set HEP_NIC=verbs");
+    if (!all_on_one_host(cards, g->world) && (o.loopback || hep_verbs_device_count() == 0))
+        return hep_fail(HEP_ERR_UNAVAILABLE,
+                        "%d nodes across processes need a verbs NIC: the loopback NIC joins "
+                        "ranks of one process only%s (run virtual nodes in one process, or one "
+                        "node per host with an RDMA device)",
+                        g->N, o.loopback ? "" : ", and this host has no RDMA device");
     rc = hep_coord_create(&g->plan, g->arena[HEP_ARENA_LOCAL], &g->bs, g->device, &o, &g->coord);
     if (rc == HEP_OK)
         *dmabuf = g->coord->dmabuf;
@@ -376,6 +383,7 @@ static void teardown(hep_group *g)
         g->coord = NULL;
     }
     unmap_peers(g);
+    hep_shm_destroy(g); /* before free_arenas: the shared-memory arenas are not malloc'ed */
     free_arenas(g);
 }
 
@@ -426,7 +434,9 @@ int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda
             rc = check_sm_budget(g, cards);
         if (rc == HEP_OK)
             g->mates_one_gpu = mates_share_gpu(g, cards);
-        /* 2. this rank's memory */
+        /* 2. this rank's memory (host backend across processes: in shared memory) */
+        if (rc == HEP_OK && g->cfg.backend == HEP_BACKEND_HOST && !all_on_one_host(cards, g->world))
+            rc = hep_shm_create(g);
         if (rc == HEP_OK)
             rc = alloc_arenas(g);
         if (rc == HEP_OK && g->cfg.backend == HEP_BACKEND_GPU &&

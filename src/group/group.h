@@ -36,6 +36,7 @@ struct hep_group {
     unsigned char ipc_opened[HEP_MAX_LOCAL];
     hep_coord *coord;
     struct hep_proxy *proxy;        /* N > 1, host backend: the CPU proxy driving the NIC */
+    struct hep_shm *shm;            /* host backend across processes: group/shm.h */
     uint64_t epoch;                 /* dispatch calls made (flags are multiples of it) */
     uint64_t combine_epoch;
     int dmabuf_banner;              /* printed the banner */

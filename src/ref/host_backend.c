@@ -1,5 +1,5 @@
 /* ref/host_backend.c: dispatch and combine on host memory, ranks as threads of one
- * process: the reference semantics (the oracle of every GPU test) and the backend of
+ * process (or processes of one host, through group/shm.h): the reference semantics (the oracle of every GPU test) and the backend of
  * machines without a GPU. Unlike the GPU kernels (sources push rows), each rank pulls what
  * it needs from its node-mates: a second, independent algorithm for the same outputs. With
  * N > 1 it runs the hierarchical path through the RDMA coordinator's NIC (the loopback NIC
@@ -23,6 +23,7 @@
 
 #include "core/core.h"
 #include "group/group.h"
+#include "group/shm.h"
 #include "kernels/ep_kernels.h"
 #include "net/proxy.h"
 
@@ -47,10 +48,12 @@ static uint64_t *mailbox_of(hep_group *g, int l)
 {
     return (uint64_t *)hep_peer_buf(g, l, HEP_BUF_MAILBOX);
 }
-/* Buffer `id` of node-mate l's local arena (host backend: one address space). */
+/* Buffer `id` of node-mate l's local arena (one address space, or mapped: group/shm.h). */
 static char *mate_local(hep_group *g, int l, int id)
 {
-    return (char *)(uintptr_t)mailbox_of(g, l)[HEP_MB_LOCAL] + g->plan.buf[id].offset;
+    char *base = g->shm ? hep_shm_mate_local(g, l)
+                        : (char *)(uintptr_t)mailbox_of(g, l)[HEP_MB_LOCAL];
+    return base + g->plan.buf[id].offset;
 }
 
 static long long id_at(const view *v, int i, int k)
@@ -159,6 +162,14 @@ static void own_view(hep_group *g, int l, view *v)
     v->t = (int)m[HEP_MB_T];
     v->K = (int)m[HEP_MB_K];
     v->index64 = (int)m[HEP_MB_INDEX64];
+    if (g->shm) { /* across processes: the copy in l's staging area, mapped here */
+        hep_shm_inputs in;
+        hep_shm_mate_inputs(g, l, &in);
+        v->tokens = in.tokens;
+        v->scales = in.scales;
+        v->idx = in.idx;
+        v->weights = in.weights;
+    }
 }
 
 /* This rank's routing as its last dispatch saw it, from the group's copy: combine must
@@ -281,6 +292,8 @@ int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_res
     long long val = 0;
     view mine;
 
+    if (g->shm)
+        hep_shm_stage_inputs(g, a); /* node-mates in other processes read the copy */
     mb[HEP_MB_TOKENS] = (uint64_t)(uintptr_t)a->tokens;
     mb[HEP_MB_SCALES] = (uint64_t)(uintptr_t)a->scales;
     mb[HEP_MB_IDX] = (uint64_t)(uintptr_t)a->topk_idx;
@@ -377,7 +390,8 @@ static void add_node_share(hep_group *g, const view *v, int i, int src, int *nex
         const uint16_t *x;
         if (!needs_rank(g, v, i, d))
             continue;
-        x = (const uint16_t *)(uintptr_t)mailbox_of(g, l)[HEP_MB_COMBINE_IN] +
+        x = (const uint16_t *)(g->shm ? hep_peer_buf(g, l, HEP_BUF_TOKEN_X)
+                                      : (char *)(uintptr_t)mailbox_of(g, l)[HEP_MB_COMBINE_IN]) +
             (size_t)(mbase[src] + next[l]++) * (size_t)H;
         for (int c = 0; c < H; c++)
             acc[c] += bf16_f32(x[c]);
@@ -404,6 +418,8 @@ int hep_host_combine(hep_group *g, const hep_combine_args *a)
     }
     mailbox_of(g, g->local)[HEP_MB_COMBINE_IN] =
         (uint64_t)(uintptr_t)(a->expert_out ? a->expert_out : hep_my_buf(g, HEP_BUF_TOKEN_X));
+    if (g->shm) /* across processes node-mates read this rank's exchange.token */
+        hep_shm_stage_combine_input(g, a->expert_out, g->last_recv);
     __atomic_store_n(flags_of(g, g->local) + HEP_FLAG_COMBINE_READY, e, __ATOMIC_RELEASE);
     rc = wait_mates(g, HEP_FLAG_COMBINE_READY, e, "its expert outputs");
     /* 1. as the peer of every other node: its tokens' partial sums over this node */

@@ -1,0 +1,99 @@
+"""HybridEPBuffer: HybridEP's constructor and call signatures over hybridep.Buffer, so code
+written against deep_ep.HybridEPBuffer runs by changing the import.
+
+Differences, where our contents cannot be HybridEP's: the handle tuple holds our Handle
+and the tokens per rank; dispatch returns no probabilities through combine (combine's
+probs argument needs the training-API issue); dispatch_with_permute and
+combine_with_unpermute (the expert-major layout) raise NotImplementedError until that
+issue lands."""
+import torch
+
+from .buffer import Buffer, Handle
+
+TRAINING_API_ISSUE = ("the training-API issue (13: reusable handles, expert-major layout, "
+                      "probabilities through combine)")
+
+
+def _routing_to_topk(routing_map, probs):
+    """[t, E] bool map (+ [t, E] probs) -> topk_idx [t, K] int64 (-1 padded), weights."""
+    t, E = routing_map.shape
+    K = max(1, int(routing_map.sum(dim=1).max())) if t else 1
+    order = torch.sort((~routing_map).to(torch.int8), dim=1, stable=True).indices[:, :K]
+    hit = torch.gather(routing_map, 1, order)
+    idx = torch.where(hit, order, torch.full_like(order, -1))
+    w = torch.gather(probs.float(), 1, order) if probs is not None else hit.float()
+    return idx, torch.where(hit, w, torch.zeros_like(w))
+
+
+class HybridEPBuffer:
+    def __init__(self, group, hidden_dim, max_num_of_tokens_per_rank, num_local_experts,
+                 use_fp8=False, num_sms_dispatch_api=32, num_sms_combine_api=32,
+                 num_sms_preprocessing_api=128, nvlink_domain_size=None, backend=None,
+                 max_topk=None):
+        import torch.distributed as dist
+        self.group = group
+        self.group_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if backend is None:
+            backend = "gpu" if torch.cuda.is_available() else "host"
+        # one SM count for both kernels in hybridep (the preprocessing is fused)
+        sms = max(num_sms_dispatch_api, num_sms_combine_api) if backend == "gpu" else None
+        ranks_per_node = min(nvlink_domain_size, self.group_size) if nvlink_domain_size else None
+        self.num_of_experts_per_rank = num_local_experts
+        self.use_fp8 = use_fp8
+        self._buf = Buffer(group, hidden_dim, max_num_of_tokens_per_rank, num_local_experts,
+                           use_fp8=use_fp8, num_sms=sms, ranks_per_node=ranks_per_node,
+                           backend=backend, max_topk=max_topk or min(
+                               32, num_local_experts * self.group_size))
+        self.num_of_ranks_per_node = self._buf.ranks_per_node
+        self.num_of_nodes = self._buf.num_nodes
+        self.local_rank = self._buf.local_rank
+        self.node_rank = self.rank // self.num_of_ranks_per_node
+
+    @property
+    def buffer(self):
+        return self._buf
+
+    def dispatch(self, hidden, scaling_factor=None, topk_idx=None, topk_weights=None,
+                 num_of_experts=None, probs=None, routing_map=None,
+                 num_dispatched_tokens_tensor=None, num_dispatched_tokens=None, handle=None):
+        """-> (dispatched_token, dispatched_probs [recv, E_l], dispatched_scaling_factor,
+        handle). Routing by topk_idx/topk_weights or by routing_map/probs [t, E]; with a
+        handle, that dispatch's routing again."""
+        h = handle[0] if handle is not None else None
+        if h is None and topk_idx is None:
+            if routing_map is None:
+                raise ValueError("dispatch needs topk_idx, routing_map or a handle")
+            topk_idx, topk_weights = _routing_to_topk(routing_map, probs)
+        elif topk_idx is not None and topk_weights is None:
+            topk_weights = torch.ones(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
+        tokens, p, sf, tpe, hh = self._buf.dispatch(hidden, topk_idx, topk_weights,
+                                                    scaling_factor=scaling_factor, handle=h)
+        return tokens, p, sf, (hh, hidden.shape[0], tpe)
+
+    def combine(self, hidden, probs=None, handle=None):
+        """-> (combined_token, combined_probs); combined_probs is None (see the module)."""
+        if handle is None:
+            raise ValueError("combine needs the handle of its dispatch")
+        if probs is not None:
+            raise NotImplementedError("combine with probs (probabilities through combine) "
+                                      "follows " + TRAINING_API_ISSUE)
+        return self._buf.combine(hidden, handle[0]), None
+
+    def dispatch_with_permute(self, *, hidden, topk_idx=None, topk_weights=None,
+                              num_of_experts_per_rank=None, num_of_experts=None, use_fp8=None,
+                              routing_map=None, probs=None, scaling_factor=None,
+                              num_dispatched_tokens=None, num_permuted_tokens=None,
+                              pad_multiple=None, handle=None, use_host_meta=True):
+        raise NotImplementedError("hybridep: dispatch_with_permute (expert-major layout) "
+                                  "follows " + TRAINING_API_ISSUE +
+                                  "; use dispatch/combine (rank-major rows) meanwhile")
+
+    def combine_with_unpermute(self, *, hidden, probs=None, handle=None, pad_multiple=None,
+                               num_dispatched_tokens=None, **kwargs):
+        raise NotImplementedError("hybridep: combine_with_unpermute (expert-major layout) "
+                                  "follows " + TRAINING_API_ISSUE +
+                                  "; use dispatch/combine (rank-major rows) meanwhile")
+
+    def close(self):
+        self._buf.close()

@@ -1,0 +1,110 @@
+"""GPU-only: CUDA graph capture of a no_sync Buffer and torch.compile through the custom
+ops. Each skips, with its reason, without a GPU or a new enough torch."""
+import os
+
+import pytest
+import torch
+
+import hybridep
+import reference as ref
+from ranks import run_ranks
+
+T, H, EL, K = 64, 256, 2, 2
+WORLD = int(os.environ.get("HEP_PY_GPU_WORLD", "2"))
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),
+                               reason="no CUDA device visible to torch (GPU-only test)")
+
+
+def _expected(all_in, rank, world):
+    rows, probs, tpe, origin, _ = ref.dispatch(all_in, rank, EL)
+    outs, origins = [], []
+    for d in range(world):
+        r_d, _, _, o_d, _ = ref.dispatch(all_in, d, EL)
+        outs.append((r_d.float() * 2).to(torch.bfloat16))
+        origins.append(o_d)
+    return rows, probs, tpe, ref.combine(outs, origins, rank, all_in[rank][0].shape[0], H)
+
+
+def _graph(rank, world):
+    torch.cuda.set_device(0)
+    buf = hybridep.Buffer(None, H, T, EL, backend="gpu", no_sync=True, num_sms=4, max_topk=K)
+    n = buf.recv_budget
+    sx = torch.zeros((T, H), dtype=torch.bfloat16, device="cuda")
+    si = torch.zeros((T, K), dtype=torch.int64, device="cuda")
+    sw = torch.zeros((T, K), dtype=torch.float32, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm up once outside the graph
+        tok, pr, _, tpe, h = buf.dispatch(sx, si, sw)
+        buf.combine((tok.float() * 2).to(torch.bfloat16), h)
+        buf.sync()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        tok, pr, _, tpe, h = buf.dispatch(sx, si, sw)
+        out = buf.combine((tok.float() * 2).to(torch.bfloat16), h)
+    for seed in (41, 42, 43):
+        all_in = [ref.inputs(seed, r, T, H, EL * world, K, ragged=False) for r in range(world)]
+        x, i, w, _ = all_in[rank]
+        sx.copy_(x), si.copy_(i), sw.copy_(w)
+        g.replay()
+        torch.cuda.synchronize()
+        buf.sync()
+        rows, probs, etpe, eout = _expected(all_in, rank, world)
+        m = rows.shape[0]
+        assert int(h.num_recv[0]) == m and not bool(h.overflow)
+        assert torch.equal(tok[:m].cpu(), rows) and torch.equal(pr[:m].cpu(), probs)
+        assert torch.equal(tpe.cpu().long(), etpe)
+        assert torch.equal(out.cpu(), eout), "replay %d: combined tokens differ" % seed
+    buf.close()
+    return True
+
+
+@needs_gpu
+def test_cuda_graph_capture_and_replay_of_a_no_sync_buffer():
+    if not hasattr(torch.cuda, "CUDAGraph"):
+        pytest.skip("torch %s has no torch.cuda.CUDAGraph" % torch.__version__)
+    run_ranks(_graph, WORLD, timeout=300)
+
+
+def _compiled(rank, world):
+    import hybridep.ops as ops
+    torch.cuda.set_device(0)
+    buf = hybridep.Buffer(None, H, T, EL, backend="gpu", num_sms=4, max_topk=K)
+    bid = ops.register_buffer(buf)
+    Wt = torch.randn((EL, H, H), generator=torch.Generator().manual_seed(1)).cuda() * 0.05
+
+    def layer(x, idx, w):
+        tokens, probs, tpe, handle = torch.ops.hybridep.dispatch(bid, x, idx, w)
+        y = torch.zeros(tokens.shape, dtype=torch.float32, device=x.device)
+        for e in range(EL):
+            y = y + probs[:, e:e + 1] * (tokens.float() @ Wt[e])
+        return torch.ops.hybridep.combine(bid, y.to(torch.bfloat16), handle, x)
+
+    compiled = torch.compile(layer)
+    for seed in (51, 52):
+        all_in = [ref.inputs(seed, r, T, H, EL * world, K, ragged=False) for r in range(world)]
+        x, i, w, _ = (a.cuda() if a is not None else None for a in all_in[rank])
+        eager = layer(x, i, w)
+        got = compiled(x, i, w)
+        torch.testing.assert_close(got.float(), eager.float(), rtol=2e-2, atol=2e-2)
+    ops.unregister_buffer(buf)
+    buf.close()
+    return True
+
+
+@needs_gpu
+def test_torch_compile_of_a_moe_layer_through_the_custom_ops():
+    import hybridep.ops as ops
+    if not ops.AVAILABLE:
+        pytest.skip(ops.WHY_NOT)
+    run_ranks(_compiled, WORLD, timeout=300)
+
+
+def test_custom_ops_need_torch_2_4():
+    import hybridep.ops as ops
+    if ops.AVAILABLE:
+        assert hasattr(torch.ops.hybridep, "dispatch") and hasattr(torch.ops.hybridep, "combine")
+    else:
+        pytest.skip(ops.WHY_NOT + ": the custom ops are not registered (tested on the GPU "
+                    "machine's torch)")

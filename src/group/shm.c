@@ -1,0 +1,308 @@
+/* group/shm.c: the host backend's node-shared memory across processes (see shm.h).
+ *
+ * Segment of one rank: [header page][shared arena][local arena][input staging], each part
+ * page-aligned. Node-mates have the same plan, so the same offsets; a mate's segment is
+ * accepted only with the expected size, magic, rank and the key its owner sent through the
+ * bootstrap (a stale or foreign segment of the same name is refused, never read). */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "core/core.h"
+#include "group/shm.h"
+
+#define SHM_MAGIC 0x3130686d73706568ull /* "hepshm01" */
+#define SHM_PAGE ((size_t)4096)
+
+typedef struct seg_header {
+    uint64_t magic, key, len;
+    int32_t rank, world;
+} seg_header;
+
+typedef struct shm_card { /* what a rank tells its node-mates */
+    char name[48];
+    char host[64];
+    uint64_t key, len;
+} shm_card;
+
+struct hep_shm {
+    char name[48];
+    int linked;
+    char *base;
+    size_t len;
+    size_t off_local, off_stage;                 /* the shared arena starts at SHM_PAGE */
+    size_t st_scales, st_idx, st_weights;        /* staging offsets (tokens at 0) */
+    char *mate[HEP_MAX_LOCAL];                   /* node-mates' segments, mapped here */
+};
+
+static size_t page_up(size_t n)
+{
+    return (n + SHM_PAGE - 1) & ~(SHM_PAGE - 1);
+}
+static size_t align16(size_t n)
+{
+    return (n + 15) & ~(size_t)15;
+}
+
+/* Offsets of the segment's parts; HEP_ERR_INVALID if its size would overflow. */
+static int layout(const hep_group *g, struct hep_shm *s)
+{
+    const size_t T = (size_t)g->cfg.max_tokens, H = (size_t)g->cfg.hidden;
+    const size_t K = (size_t)g->cfg.max_topk;
+    const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3;
+    const size_t rb = H * (fp8 ? 1 : 2), ns = fp8 ? H / HEP_FP8_BLOCK : 0;
+    size_t shared = g->plan.arena_bytes[HEP_ARENA_SHARED];
+    size_t local = g->plan.arena_bytes[HEP_ARENA_LOCAL];
+    /* T, H, K are bounded by hep_config_check (65536, 65536, 32): no product overflows */
+    size_t stage = align16(T * rb);
+    s->st_scales = stage;
+    stage = align16(stage + T * ns * 4);
+    s->st_idx = stage;
+    stage = align16(stage + T * K * 8);
+    s->st_weights = stage;
+    stage += T * K * 4;
+    if (shared > SIZE_MAX / 4 || local > SIZE_MAX / 4)
+        return hep_fail(HEP_ERR_INVALID, "host shared memory: arenas of %zu + %zu bytes", shared,
+                        local);
+    s->off_local = SHM_PAGE + page_up(shared);
+    s->off_stage = s->off_local + page_up(local);
+    s->len = s->off_stage + page_up(stage);
+    return HEP_OK;
+}
+
+static uint64_t make_key(void)
+{
+    uint64_t k = 0;
+    if (getrandom(&k, sizeof(k), 0) != (ssize_t)sizeof(k)) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        k = ((uint64_t)ts.tv_nsec << 20) ^ (uint64_t)ts.tv_sec ^ ((uint64_t)getpid() << 40);
+    }
+    return k | 1; /* never 0 */
+}
+
+int hep_shm_create(hep_group *g)
+{
+    static unsigned seq;
+    struct hep_shm *s = calloc(1, sizeof(*s));
+    seg_header *h;
+    int fd, err, rc;
+    if (!s)
+        return hep_fail(HEP_ERR_NOMEM, "host shared memory: out of memory");
+    rc = layout(g, s);
+    if (rc) {
+        free(s);
+        return rc;
+    }
+    snprintf(s->name, sizeof(s->name), "/hybridep.%d.%u.%d", (int)getpid(),
+             __atomic_fetch_add(&seq, 1, __ATOMIC_RELAXED), g->rank);
+    fd = shm_open(s->name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd < 0) {
+        err = errno;
+        rc = hep_fail(err == ENOSPC || err == ENOMEM ? HEP_ERR_NOMEM : HEP_ERR_UNAVAILABLE,
+                      "host shared memory: shm_open('%s') failed: %s (is /dev/shm mounted "
+                      "and writable?)",
+                      s->name, strerror(err));
+        free(s);
+        return rc;
+    }
+    s->linked = 1;
+    err = ftruncate(fd, (off_t)s->len) ? errno : 0;
+    /* reserve the pages now: a full /dev/shm is an error here, not a SIGBUS later */
+    if (!err) {
+        err = posix_fallocate(fd, 0, (off_t)s->len);
+        if (err == EOPNOTSUPP || err == EINVAL)
+            err = 0;
+    }
+    if (!err) {
+        void *p = mmap(NULL, s->len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (p == MAP_FAILED)
+            err = errno;
+        else
+            s->base = p;
+    }
+    close(fd); /* the mapping keeps the segment; no fd outlives this call */
+    if (err) {
+        shm_unlink(s->name);
+        rc = hep_fail(err == ENOSPC || err == ENOMEM ? HEP_ERR_NOMEM : HEP_ERR_UNAVAILABLE,
+                      "host shared memory: %zu bytes for segment '%s' failed: %s (/dev/shm too "
+                      "small? docker: --shm-size)",
+                      s->len, s->name, strerror(err));
+        free(s);
+        return rc;
+    }
+    h = (seg_header *)s->base;
+    h->key = make_key();
+    h->len = s->len;
+    h->rank = g->rank;
+    h->world = g->world;
+    h->magic = SHM_MAGIC;
+    g->shm = s;
+    if (g->plan.arena_bytes[HEP_ARENA_SHARED])
+        g->arena[HEP_ARENA_SHARED] = s->base + SHM_PAGE;
+    if (g->plan.arena_bytes[HEP_ARENA_LOCAL])
+        g->arena[HEP_ARENA_LOCAL] = s->base + s->off_local;
+    return HEP_OK;
+}
+
+/* Map node-mate `rank`'s segment as its card describes it; every field is checked. */
+static int open_mate(const hep_group *g, int rank, const shm_card *c, char **out)
+{
+    const struct hep_shm *s = g->shm;
+    struct stat st;
+    const seg_header *h;
+    void *p;
+    int fd, err;
+    if (c->len != s->len)
+        return hep_fail(HEP_ERR_MISMATCH,
+                        "host shared memory: rank %d's segment '%.47s' has %llu bytes, this "
+                        "rank's %zu (different builds?)",
+                        rank, c->name, (unsigned long long)c->len, s->len);
+    fd = shm_open(c->name, O_RDWR, 0);
+    if (fd < 0) {
+        err = errno;
+        return hep_fail(HEP_ERR_UNAVAILABLE,
+                        "host shared memory: cannot open rank %d's segment '%.47s': %s (another "
+                        "user, container or mount namespace?)",
+                        rank, c->name, strerror(err));
+    }
+    if (fstat(fd, &st) != 0 || (uint64_t)st.st_size != c->len) {
+        close(fd);
+        return hep_fail(HEP_ERR_MISMATCH,
+                        "host shared memory: rank %d's segment '%.47s' is not %llu bytes long",
+                        rank, c->name, (unsigned long long)c->len);
+    }
+    p = mmap(NULL, s->len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    err = p == MAP_FAILED ? errno : 0;
+    close(fd);
+    if (err)
+        return hep_fail(HEP_ERR_NOMEM, "host shared memory: mapping rank %d's segment: %s", rank,
+                        strerror(err));
+    h = p;
+    if (h->magic != SHM_MAGIC || h->key != c->key || h->len != c->len || h->rank != rank ||
+        h->world != g->world) {
+        munmap(p, s->len);
+        return hep_fail(HEP_ERR_MISMATCH,
+                        "host shared memory: segment '%.47s' is not rank %d's of this group "
+                        "(wrong key, rank or size)",
+                        c->name, rank);
+    }
+    *out = p;
+    return HEP_OK;
+}
+
+int hep_shm_map_mates(hep_group *g)
+{
+    struct hep_shm *s = g->shm;
+    shm_card mine, *all;
+    int rc, gathered;
+    memset(&mine, 0, sizeof(mine));
+    snprintf(mine.name, sizeof(mine.name), "%s", s->name);
+    if (gethostname(mine.host, sizeof(mine.host) - 1) != 0)
+        snprintf(mine.host, sizeof(mine.host), "unknown");
+    mine.key = ((const seg_header *)s->base)->key;
+    mine.len = s->len;
+    all = calloc((size_t)g->world, sizeof(*all));
+    if (!all)
+        return hep_fail(HEP_ERR_NOMEM, "host shared memory: out of memory");
+    rc = g->bs.allgather(g->bs.ctx, &mine, all, sizeof(mine));
+    gathered = rc == HEP_OK;
+    for (int l = 0; rc == HEP_OK && l < g->R; l++) {
+        int r = g->node * g->R + l;
+        if (l == g->local)
+            continue;
+        if (strcmp(all[r].host, mine.host) != 0)
+            rc = hep_fail(HEP_ERR_INVALID,
+                          "the host backend needs the ranks of a node on one host: rank %d is "
+                          "on '%.63s', rank %d on '%.63s'",
+                          g->rank, mine.host, r, all[r].host);
+        else
+            rc = open_mate(g, r, &all[r], &s->mate[l]);
+        g->peer_shared[l] = s->mate[l] ? s->mate[l] + SHM_PAGE : NULL;
+    }
+    g->peer_shared[g->local] = g->arena[HEP_ARENA_SHARED];
+    free(all);
+    /* once every rank is past its mapping, the name is not needed: nothing stays in
+     * /dev/shm (after a failed allgather nobody will map it either) */
+    if (gathered)
+        rc = hep_group_agree(g, rc, 0, NULL);
+    shm_unlink(s->name);
+    s->linked = 0;
+    return rc;
+}
+
+void hep_shm_destroy(hep_group *g)
+{
+    struct hep_shm *s = g->shm;
+    if (!s)
+        return;
+    for (int l = 0; l < HEP_MAX_LOCAL; l++)
+        if (s->mate[l]) {
+            munmap(s->mate[l], s->len);
+            s->mate[l] = NULL;
+            if (l < g->R && l != g->local)
+                g->peer_shared[l] = NULL;
+        }
+    if (s->linked)
+        shm_unlink(s->name);
+    /* a late node-mate keeps its own mapping: unmapping here cannot make it fault */
+    munmap(s->base, s->len);
+    g->arena[HEP_ARENA_SHARED] = NULL;
+    g->arena[HEP_ARENA_LOCAL] = NULL;
+    g->peer_shared[g->local] = NULL;
+    free(s);
+    g->shm = NULL;
+}
+
+char *hep_shm_mate_local(const hep_group *g, int l)
+{
+    const struct hep_shm *s = g->shm;
+    return l == g->local ? g->arena[HEP_ARENA_LOCAL] : s->mate[l] + s->off_local;
+}
+
+static char *staging(const hep_group *g, int l)
+{
+    const struct hep_shm *s = g->shm;
+    return (l == g->local ? s->base : s->mate[l]) + s->off_stage;
+}
+
+void hep_shm_stage_inputs(hep_group *g, const hep_dispatch_args *a)
+{
+    const struct hep_shm *s = g->shm;
+    const size_t t = (size_t)a->num_tokens, K = (size_t)a->topk, H = (size_t)g->cfg.hidden;
+    const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3;
+    char *st = staging(g, g->local);
+    if (t == 0)
+        return;
+    /* t <= max_tokens and topk <= max_topk were checked: the staging area holds them */
+    memcpy(st, a->tokens, t * H * (fp8 ? 1 : 2));
+    if (fp8 && a->scales)
+        memcpy(st + s->st_scales, a->scales, t * (H / HEP_FP8_BLOCK) * sizeof(float));
+    memcpy(st + s->st_idx, a->topk_idx, t * K * (a->index_type == HEP_INDEX_INT64 ? 8 : 4));
+    memcpy(st + s->st_weights, a->topk_weights, t * K * sizeof(float));
+}
+
+void hep_shm_mate_inputs(const hep_group *g, int l, hep_shm_inputs *in)
+{
+    const struct hep_shm *s = g->shm;
+    const char *st = staging(g, l);
+    in->tokens = st;
+    in->scales = g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? (const float *)(st + s->st_scales) : NULL;
+    in->idx = st + s->st_idx;
+    in->weights = (const float *)(st + s->st_weights);
+}
+
+const void *hep_shm_stage_combine_input(hep_group *g, const void *src, int rows)
+{
+    char *dst = hep_my_buf(g, HEP_BUF_TOKEN_X);
+    if (src && src != dst && rows > 0) /* memmove: the caller may pass rows inside it */
+        memmove(dst, src, (size_t)rows * (size_t)g->cfg.hidden * 2);
+    return dst;
+}
