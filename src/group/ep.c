@@ -85,6 +85,7 @@ int hep_ep_setup(hep_group *g)
     k->grid_arrive2 = k->epoch + 7;
     k->recv_count = (int *)(k->epoch + 8);
     k->tokens_per_expert = k->recv_count + 1;
+    k->work = (unsigned *)(k->tokens_per_expert + k->El);
     k->node_pos = k->dest_rows + (size_t)g->cfg.max_tokens * (size_t)g->world;
     k->node_blocks = k->node_pos + (size_t)g->cfg.max_tokens * (size_t)g->N;
     if (g->N > 1) {

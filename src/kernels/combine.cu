@@ -9,6 +9,9 @@
 
 #include "kernels/lists.cuh"
 
+#ifndef GRAB
+#define GRAB 2 /* own tokens a warp takes at a time */
+#endif
 #ifndef COMBINE_THREADS
 #define COMBINE_THREADS 384
 #endif
@@ -247,16 +250,30 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
             return;
     }
     const int mybase = lane < R ? ld_l2(a.meta + a.node * R + lane) : 0;
-#ifdef HEP_STRIDED_TOKENS
-    for (int i = gw; i < a.t; i += nw) {
-#else
+    const char *parts = N > 1 ? a.part_token : NULL;
+#ifdef HEP_STATIC_TOKENS
     int w0, w1;
     warp_range(0, a.t, gw, nw, w0, w1);
-    for (int i = w0; i < w1; i++) {
-#endif
+    for (int i = w0; i < w1; i++)
         combine_row(a, s_x, a.node, i, mybase, (uint4 *)((char *)a.combine_out + (size_t)i * rb),
-                    N > 1 ? a.part_token : NULL);
+                    parts);
+#else
+    // the next GRAB own tokens from the rank's counter, asked for ahead (see push_list)
+    unsigned *work = a.work + HEP_WORK_COMBINE(N);
+    int next = __shfl_sync(FULL, lane == 0 ? (int)atomicAdd(work, GRAB) : 0, 0);
+    while (next < a.t) {
+        const int i0 = next;
+        int pending = 0;
+        if (lane == 0)
+            pending = (int)atomicAdd(work, GRAB);
+        for (int i = i0; i < min(a.t, i0 + GRAB); i++)
+            combine_row(a, s_x, a.node, i, mybase,
+                        (uint4 *)((char *)a.combine_out + (size_t)i * rb), parts);
+        next = __shfl_sync(FULL, pending, 0);
     }
+    (void)gw, (void)nw;
+#endif
+    work_done(a.work + HEP_WORK_COMBINE(N), 1, a.work + HEP_WORK_COMBINE_DONE(N));
 }
 
 // Copy the caller's expert outputs into this rank's X (count read on the device).

@@ -55,73 +55,98 @@ __device__ __forceinline__ void push_row(const uint4 *src, bool slot, unsigned m
     }
 }
 
-// Block b pushes its tokens of list L: rows, probabilities and scales at every destination.
-__device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const *s_x,
-                          float *const *s_prob, float *const *s_scale)
+// One warp pushes token i of list L: its row, probabilities and scales at every destination.
+__device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, int L, int i,
+                                           int mybase, char *const *s_x, float *const *s_prob,
+                                           float *const *s_scale)
 {
-    const int R = a.R, El = a.El, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int nwarps = blockDim.x >> 5, S = gridDim.x, b = blockIdx.x;
+    const int R = a.R, El = a.El, lane = threadIdx.x & 31;
     const long long first = (long long)a.rank0 * El;
     const size_t rb = (size_t)a.H * a.esize, T = (size_t)a.T;
     const int nvec = (int)(rb / 16);
     /* equal passes: a 14 KB row is two passes of 448 vectors, not 512 + 384 */
     const int passes = (nvec + 32 * DU - 1) / (32 * DU);
     const int per_pass = ((nvec + passes - 1) / passes + 31) & ~31;
-    const int mybase = lane < R ? ld_l2(a.meta + L * R + lane) : 0;
-    int t0, t1, w0, w1;
-    block_range(v.t, b, S, t0, t1);
-#ifdef HEP_STRIDED_TOKENS
-    for (int i = t0 + warp; i < t1; i += nwarps) {
-#else
-    warp_range(t0, t1, warp, nwarps, w0, w1);
-    for (int i = w0; i < w1; i++) {
-#endif
-        const int pos = lane < R ? a.dest_rows[((size_t)L * T + i) * R + lane] : -1;
-        const int row = pos >= 0 ? mybase + pos : -1;
-        const unsigned mask = __ballot_sync(FULL, row >= 0);
-        if (!mask)
-            continue;
-        const long long myid = lane < v.K ? list_id(a, v, i, lane) : -2;
-        const float myw = lane < v.K ? list_w(a, v, i, lane) : 0.f;
-        // once per token, lane k: slot k's expert at this node and its probability, summed
-        // over the slots of the same expert (in slot order); the first such slot writes it
-        const bool here = myid >= first && myid < first + (long long)R * El;
-        float pk = 0.f;
-        bool writer = here;
-        for (int q = 0; q < v.K; q++) {
-            const long long x = __shfl_sync(FULL, myid, q);
-            const float w = __shfl_sync(FULL, myw, q);
-            pk += x == myid ? w : 0.f;
-            writer &= !(q < lane && x == myid);
-        }
-        const int kd = here ? (int)((myid - first) / El) : -1;
-        const int ke = here ? (int)((myid - first) % El) : 0;
-        // the token's scales, loaded once: one 16-byte vector a lane where they fit
-        const bool vec_scale = a.nscale % 4 == 0 && a.nscale <= 128 &&
-                               ((uintptr_t)v.scl & 15) == 0 && ((uintptr_t)s_scale[0] & 15) == 0;
-        float4 sc = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (vec_scale && lane < a.nscale / 4)
-            sc = ((const float4 *)(v.scl + (size_t)i * a.nscale))[lane];
-        push_row((const uint4 *)(v.tok + (size_t)i * rb), v.slot, mask, row, s_x, rb, nvec,
-                 per_pass);
-        for (unsigned m = mask; m; m &= m - 1) {
-            const int d = __ffs(m) - 1;
-            const int r = __shfl_sync(FULL, row, d);
-            float *prob = s_prob[d] + (size_t)r * El;
-            for (int j = lane; j < El; j += 32)
-                prob[j] = 0.f;
-            __syncwarp(); /* orders the zeros before the slots' values, lane to lane */
-            if (writer && kd == d)
-                prob[ke] = pk;
-            if (vec_scale) {
-                if (lane < a.nscale / 4)
-                    ((float4 *)(s_scale[d] + (size_t)r * a.nscale))[lane] = sc;
-            } else {
-                for (int c = lane; c < a.nscale; c += 32)
-                    s_scale[d][(size_t)r * a.nscale + c] = v.scl[(size_t)i * a.nscale + c];
-            }
+    const int pos = lane < R ? a.dest_rows[((size_t)L * T + i) * R + lane] : -1;
+    const int row = pos >= 0 ? mybase + pos : -1;
+    const unsigned mask = __ballot_sync(FULL, row >= 0);
+    if (!mask)
+        return;
+    const long long myid = lane < v.K ? list_id(a, v, i, lane) : -2;
+    const float myw = lane < v.K ? list_w(a, v, i, lane) : 0.f;
+    // once per token, lane k: slot k's expert at this node and its probability, summed
+    // over the slots of the same expert (in slot order); the first such slot writes it
+    const bool here = myid >= first && myid < first + (long long)R * El;
+    float pk = 0.f;
+    bool writer = here;
+    for (int q = 0; q < v.K; q++) {
+        const long long x = __shfl_sync(FULL, myid, q);
+        const float w = __shfl_sync(FULL, myw, q);
+        pk += x == myid ? w : 0.f;
+        writer &= !(q < lane && x == myid);
+    }
+    const int kd = here ? (int)((myid - first) / El) : -1;
+    const int ke = here ? (int)((myid - first) % El) : 0;
+    // the token's scales, loaded once: one 16-byte vector a lane where they fit
+    const bool vec_scale = a.nscale % 4 == 0 && a.nscale <= 128 &&
+                           ((uintptr_t)v.scl & 15) == 0 && ((uintptr_t)s_scale[0] & 15) == 0;
+    float4 sc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (vec_scale && lane < a.nscale / 4)
+        sc = ((const float4 *)(v.scl + (size_t)i * a.nscale))[lane];
+    push_row((const uint4 *)(v.tok + (size_t)i * rb), v.slot, mask, row, s_x, rb, nvec,
+             per_pass);
+    for (unsigned m = mask; m; m &= m - 1) {
+        const int d = __ffs(m) - 1;
+        const int r = __shfl_sync(FULL, row, d);
+        float *prob = s_prob[d] + (size_t)r * El;
+        for (int j = lane; j < El; j += 32)
+            prob[j] = 0.f;
+        __syncwarp(); /* orders the zeros before the slots' values, lane to lane */
+        if (writer && kd == d)
+            prob[ke] = pk;
+        if (vec_scale) {
+            if (lane < a.nscale / 4)
+                ((float4 *)(s_scale[d] + (size_t)r * a.nscale))[lane] = sc;
+        } else {
+            for (int c = lane; c < a.nscale; c += 32)
+                s_scale[d][(size_t)r * a.nscale + c] = v.scl[(size_t)i * a.nscale + c];
         }
     }
+}
+
+// The block's warps push tokens of list L. By default every warp of the rank takes the next
+// GRAB tokens from the list's work counter (a.work[L]) until none are left, so that no warp
+// idles while another still has rows: the rank ends with its last token, not with its
+// slowest block. The next grab is asked for before the current tokens are pushed, so its
+// round trip hides behind them. (HEP_STATIC_TOKENS: each block its fixed share, each warp
+// consecutive tokens of it.)
+#ifndef GRAB
+#define GRAB 2
+#endif
+__device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const *s_x,
+                          float *const *s_prob, float *const *s_scale)
+{
+    const int lane = threadIdx.x & 31;
+    const int mybase = lane < a.R ? ld_l2(a.meta + L * a.R + lane) : 0;
+#ifdef HEP_STATIC_TOKENS
+    int t0, t1, w0, w1;
+    block_range(v.t, blockIdx.x, gridDim.x, t0, t1);
+    warp_range(t0, t1, threadIdx.x >> 5, blockDim.x >> 5, w0, w1);
+    for (int i = w0; i < w1; i++)
+        push_token(a, v, L, i, mybase, s_x, s_prob, s_scale);
+#else
+    unsigned *work = a.work + L;
+    int next = __shfl_sync(FULL, lane == 0 ? (int)atomicAdd(work, GRAB) : 0, 0);
+    while (next < v.t) {
+        const int i0 = next;
+        int pending = 0;
+        if (lane == 0)
+            pending = (int)atomicAdd(work, GRAB);
+        for (int i = i0; i < min(v.t, i0 + GRAB); i++)
+            push_token(a, v, L, i, mybase, s_x, s_prob, s_scale);
+        next = __shfl_sync(FULL, pending, 0);
+    }
+#endif
 }
 
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
@@ -193,6 +218,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
         for (int d = 0; d < R; d++)
             red_add_release_peers(a, a.flags[d] + HEP_FLAG_DISPATCH_ARRIVE + a.local, 1ull);
     }
+    work_done(a.work, N, a.work + HEP_WORK_DISPATCH_DONE(N));
     if (b == 0 && tid < R)
         wait_mate(a, a.flags[a.local] + HEP_FLAG_DISPATCH_ARRIVE + tid,
                   e * (unsigned long long)S, HEP_STAGE_DISPATCH, tid);

@@ -161,4 +161,19 @@ __device__ __forceinline__ void rebase_positions(int *pos, int t0, int t1, int n
     __syncthreads();
 }
 
+// The last block of the kernel to finish resets the n work counters (and its done counter)
+// for the next call: the next kernel on the stream starts only after this one ended.
+__device__ __forceinline__ void work_done(unsigned *work, int n, unsigned *done)
+{
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence(); /* this block's grabs come before its arrival */
+        if (atomicAdd(done, 1u) == gridDim.x - 1) {
+            for (int j = 0; j < n; j++)
+                work[j] = 0;
+            *done = 0;
+        }
+    }
+}
+
 #endif
