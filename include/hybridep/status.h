@@ -33,6 +33,15 @@ const char *hep_last_error(void);
 /* A short constant name for a status ("HEP_ERR_INVALID"). Never NULL. */
 const char *hep_status_name(int status);
 
+/* Set this thread's hep_last_error() text (printf format) and return `status`: for code
+ * outside the library that hybridep calls back (a custom bootstrap's allgather or barrier,
+ * for example), so that its failure carries a message like the library's own. */
+int hep_set_last_error(int status, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
 #ifdef __cplusplus
 }
 #endif

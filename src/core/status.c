@@ -22,6 +22,15 @@ int hep_fail(int status, const char *fmt, ...)
     return status;
 }
 
+int hep_set_last_error(int status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(hep_err, sizeof(hep_err), fmt, ap);
+    va_end(ap);
+    return status;
+}
+
 void hep_set_error_text(const char *text)
 {
     snprintf(hep_err, sizeof(hep_err), "%s", text ? text : "");
