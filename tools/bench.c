@@ -953,8 +953,6 @@ static int sweep(bench *b, const char *gpu_name, int sm_count, int reached)
     static sweep_row rows[CLI_LIST_MAX];
     const int per_gpu = b->W / b->o.gpus > 0 ? b->W / b->o.gpus : 1;
     sweep_ctx ctx = {b, rows, b->o.sweep.n};
-    phase_row last[3];
-    int have = 0;
     for (int i = 0; i < b->o.sweep.n; i++) {
         sweep_row *r = &rows[i];
         memset(r, 0, sizeof(*r));
@@ -968,8 +966,6 @@ static int sweep(bench *b, const char *gpu_name, int sm_count, int reached)
         }
         if (gpu_run(b, r->S, r->ph))
             return 1;
-        memcpy(last, r->ph, sizeof(last));
-        have = 1;
     }
     if (!b->o.as_json) {
         printf("\nhybridep bench --sweep-sms: %d virtual rank(s) on %s (%d SMs), H=%d T=%d E=%d "
@@ -996,7 +992,6 @@ static int sweep(bench *b, const char *gpu_name, int sm_count, int reached)
                "bytes; x/copy = its time over the phase's (100%% = as fast as a copy with the "
                "same SMs); x/GPU = the fraction of the whole GPU's copy ceiling\n");
     }
-    (void)last, (void)have;
     return report_json(b, NULL, 0, gpu_name, reached, json_sweep, &ctx);
 }
 
@@ -1059,9 +1054,11 @@ int hep_cmd_bench(int argc, char **argv)
         memset(ph, 0, sizeof(ph));
         ph[0].name = "host d+c";
         ph[0].ms = now_ms() - t0;
-        for (int r = 0; r < b.W; r++) {
-            ph[0].rows += b.rd[r].num_recv;
-            ph[0].bytes += (double)(b.rd[r].num_recv + b.rd[r].t) * b.o.H * (b.esize + 2);
+        for (int r = 0; r < b.W; r++) { /* the same fewest bytes as the GPU phases, summed */
+            double recv = b.rd[r].num_recv, t = b.rd[r].t;
+            ph[0].rows += recv;
+            ph[0].bytes += (recv + t) * b.o.H * (b.esize + 2) + t * b.o.K * 8 + recv * b.o.El * 4 +
+                           (b.esize == 1 ? (t + recv) * b.ns * 4 : 0);
         }
         if (!b.o.as_json)
             report_text(&b, ph, 1, gpu_name, sm_count, reached);
