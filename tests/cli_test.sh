@@ -1,47 +1,111 @@
 #!/usr/bin/env bash
-# The hybridep command line: exit codes, figures and output formats.
-# Usage: cli_test.sh path/to/hybridep
+# The hybridep command line: exit codes, messages, figures and output formats.
+# Usage: cli_test.sh path/to/hybridep   (scratch files go to a private directory under
+# $HEP_TEST_TMP, else $TMPDIR, removed at exit)
 set -u
 H=$1
+T=$(mktemp -d "${HEP_TEST_TMP:-${TMPDIR:-/tmp}}/hep_cli.XXXXXX") || exit 1
+trap 'rm -rf "$T"' EXIT
 pass=0
 fail=0
 check() { # name, then a command that must succeed
     local name=$1
     shift
-    if "$@" >/tmp/hep_cli_$$ 2>&1; then
+    if "$@" >"$T/out" 2>&1; then
         pass=$((pass + 1))
     else
         fail=$((fail + 1))
         echo "FAILED: $name"
-        sed 's/^/  | /' /tmp/hep_cli_$$ | head -20
+        sed 's/^/  | /' "$T/out" | head -20
     fi
 }
+# run CMD...; then $rc, $T/o (stdout), $T/e (stderr)
+run() { "$@" >"$T/o" 2>"$T/e"; rc=$?; }
+# the command exits with code $1 and its stderr has one line containing $2
+fails_with() { local code=$1 text=$2; shift 2; run "$@"; cat "$T/e"
+    test "$rc" -eq "$code" && test "$(grep -c . "$T/e")" -eq 1 && grep -qF -- "$text" "$T/e"; }
+SMALL=(--backend host --ranks-per-node 4 --tokens 64 --hidden 256 --experts-per-rank 2 --topk 2)
+
 plan_ep64() { "$H" plan --nodes 8 --ranks-per-node 8 --hidden 7168 --tokens 4096 \
     --experts-per-rank 4 --topk 8 --dtype bf16 | grep -q "total device memory per rank: 4596695040 bytes"; }
+plan_accepts_opt_equals_value() { "$H" plan --nodes=8 --ranks-per-node=8 --hidden=7168 --tokens=4096 \
+    --experts-per-rank=4 --topk=8 --dtype=bf16 | grep -q "total device memory per rank: 4596695040 bytes"; }
 plan_json() { "$H" plan --nodes 2 --ranks-per-node 4 --dtype fp8 --json |
     python3 -c 'import json,sys; d=json.load(sys.stdin); n=[b for b in d["buffers"] if b["rdma_registered"]]; sys.exit(0 if len(n)==14 else 1)'; }
-plan_rejects_fp8_hidden() { "$H" plan --dtype fp8 --hidden 7000 >/tmp/hep_rej_$$ 2>&1; rc=$?; grep -q "multiple of 128" /tmp/hep_rej_$$ && test $rc -eq 1; }
-unknown_argument_exits_2() { "$H" plan --bogus; test $? -eq 2; }
+plan_rejects_fp8_hidden() { fails_with 1 "multiple of 128" "$H" plan --dtype fp8 --hidden 7000; }
+plan_help_lists_defaults_and_env() { run "$H" plan --help; test $rc -eq 0 &&
+    grep -q -- "--hidden H.*default 7168" "$T/o" && grep -q HEP_TIMEOUT_MS "$T/o"; }
+bench_help_lists_defaults() { run "$H" bench --help; test $rc -eq 0 &&
+    grep -q -- "--tokens T.*default 4096; 1..65536" "$T/o" && grep -q -- "--seed S.*default 1;" "$T/o"; }
+version_names_the_library() { "$H" --version | grep -qE "^hybridep [0-9]+\.[0-9]+\.[0-9]+ \(library [0-9]+\.[0-9]+\.[0-9]+"; }
+unknown_argument_exits_2() { fails_with 2 "unknown option '--bogus'" "$H" plan --bogus; }
 unknown_command_exits_2() { "$H" frobnicate; test $? -eq 2; }
 doctor_text_exits_0() { "$H" doctor | grep -q "hybridep doctor"; }
-doctor_json_is_one_document() { "$H" doctor --json | python3 -m json.tool >/dev/null; }
-bench_host_runs_and_says_so() { "$H" bench --backend host --ranks-per-node 4 --tokens 64 \
-    --hidden 256 --experts-per-rank 2 --topk 2 | grep -q "HOST backend (no GPU)"; }
+doctor_prints_the_version() { "$H" doctor | grep -qE "^hybridep +: library [0-9]+\.[0-9]+\.[0-9]+"; }
+doctor_json_is_one_document() { "$H" doctor --json | python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if d["hybridep_version"] else 1)'; }
+bench_host_runs_and_says_so() { "$H" bench "${SMALL[@]}" | grep -q "HOST backend (no GPU)"; }
 bench_host_two_nodes_runs() { "$H" bench --backend host --nodes 2 --ranks-per-node 2 \
     --tokens 32 --hidden 256 --experts-per-rank 2 --topk 2 | grep -q "2 node(s) x 2, loopback NIC"; }
-bench_rejects_zero_nodes() { "$H" bench --nodes 0 >/tmp/hep_nodes_$$ 2>&1; rc=$?; grep -q "nodes must be >= 1" /tmp/hep_nodes_$$ && test $rc -eq 2; }
-bench_rejects_bad_dtype() { "$H" bench --dtype int4; test $? -eq 2; }
-check plan_ep64 plan_ep64
-check plan_json_lists_14_rdma_buffers plan_json
-check plan_rejects_fp8_hidden_not_multiple_of_128 plan_rejects_fp8_hidden
-check unknown_argument_exits_2 unknown_argument_exits_2
-check unknown_command_exits_2 unknown_command_exits_2
-check doctor_text_exits_0 doctor_text_exits_0
-check doctor_json_is_one_document doctor_json_is_one_document
-check bench_host_runs_and_says_so bench_host_runs_and_says_so
-check bench_rejects_bad_dtype bench_rejects_bad_dtype
-check bench_host_two_nodes_runs bench_host_two_nodes_runs
-check bench_rejects_zero_nodes bench_rejects_zero_nodes
-rm -f /tmp/hep_cli_$$
+bench_rejects_zero_nodes() { fails_with 2 "--nodes 0 is out of range (allowed: 1..4096)" "$H" bench --nodes 0; }
+bench_rejects_bad_dtype() { fails_with 2 "--dtype 'int4' is not one of bf16|fp8" "$H" bench --dtype int4; }
+# issue 11 D9: no empty reason
+bench_rejects_zero_ranks_per_node() { fails_with 2 "--ranks-per-node 0 is out of range (allowed: 1..72)" "$H" bench --ranks-per-node 0; }
+bench_rejects_too_many_ranks_naming_the_limit() { fails_with 2 "--nodes 100 x --ranks-per-node 4 = 400 ranks: at most 72" "$H" bench --nodes 100 --ranks-per-node 4; }
+# issue 11 D5: no int overflow of nodes x ranks
+bench_rejects_huge_nodes() { fails_with 2 "--nodes 536870913 is out of range" "$H" bench --nodes 536870913 --ranks-per-node 8; }
+# issue 11 D14 / issue 12: a number too large is out of range, not "not an integer"
+bench_says_out_of_range_for_big_numbers() { fails_with 2 "--tokens 2147483648 is out of range (allowed: 1..65536)" "$H" bench --tokens 2147483648 &&
+    fails_with 2 "--tokens 99999999999 is out of range" "$H" bench --tokens 99999999999; }
+bench_names_only_the_broken_rule() { fails_with 2 "--iters 0 is out of range (allowed: 1..100000)" "$H" bench --iters 0; }
+bench_says_not_an_integer_for_words() { fails_with 2 "--tokens 'abc' is not an integer (allowed: 1..65536)" "$H" bench --tokens abc; }
+# issue 11 D10: an option given last without its value is an error, not ignored
+bench_option_without_value_last_is_an_error() {
+    for o in --backend --routing --dump-routing --json-file --tokens; do
+        fails_with 2 "$o needs a value" "$H" bench "${SMALL[@]}" "$o" || return 1
+    done; }
+bench_option_value_that_is_an_option_is_an_error() { fails_with 2 "--dump-routing needs a value (got the option '--tokens')" "$H" bench --dump-routing --tokens 8; }
+bench_unwritable_json_file_exits_nonzero() { fails_with 2 "--json-file '/no/such/dir/x.json' cannot be written" "$H" bench "${SMALL[@]}" --json-file /no/such/dir/x.json; }
+bench_json_file_is_written() { "$H" bench "${SMALL[@]}" --json-file "$T/r.json" >/dev/null 2>&1 &&
+    python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); sys.exit(0 if d["backend"]=="host" else 1)' "$T/r.json"; }
+bench_host_json_says_one_timed_run() { "$H" bench "${SMALL[@]}" --json 2>/dev/null |
+    python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if d["iters"]==1 and d["warmup"]==0 else 1)'; }
+bench_json_error_is_a_json_object() { run "$H" bench --json --tokens 0; test $rc -eq 2 &&
+    python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); sys.exit(0 if "--tokens 0" in d["error"] and d["exit_code"]==2 else 1)' "$T/o"; }
+bench_default_seed_is_fixed_and_printed() { "$H" bench "${SMALL[@]}" --dump-routing "$T/a.bin" 2>"$T/e1" >"$T/o1" &&
+    "$H" bench "${SMALL[@]}" --dump-routing "$T/b.bin" >/dev/null 2>&1 && cmp -s "$T/a.bin" "$T/b.bin" &&
+    grep -q "seed 1" "$T/o1"; }
+# issue 11 D4: skewed routing ends for small shapes and reaches every expert
+bench_skewed_routing_ends_on_few_experts() { timeout 60 "$H" bench --backend host --ranks-per-node 4 --experts-per-rank 2 --topk 4 \
+    --tokens 64 --hidden 256 --routing skewed --json 2>/dev/null |
+    python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if d["experts_reached"]==8 else 1)'; }
+bench_skewed_routing_reaches_every_expert_with_defaults() { timeout 120 "$H" bench --backend host --routing skewed --tokens 512 --hidden 128 --json 2>/dev/null |
+    python3 -c 'import json,sys; d=json.load(sys.stdin); print(d["experts_reached"]); sys.exit(0 if d["experts_reached"]==256 else 1)'; }
+# issue 11 D6: a failed host allocation is a message, not SIGSEGV (not under ASan: it
+# reserves more address space than the limit allows)
+bench_out_of_host_memory_is_a_message() {
+    if ldd "$H" | grep -q libasan || nm "$H" 2>/dev/null | grep -q __asan_init; then echo "not under ASan"; return 0; fi
+    (ulimit -v 1000000; "$H" bench --backend host --tokens 65536 --hidden 65536 --ranks-per-node 8 --experts-per-rank 2 --topk 2 >"$T/o" 2>"$T/e"); rc=$?
+    cat "$T/e"; test $rc -eq 1 && grep -q "out of host memory" "$T/e"; }
+bench_gpu_without_gpu_says_it_once() {
+    if "$H" doctor --json | python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if d.get("gpus") else 1)'; then echo "has a GPU"; return 0; fi
+    run "$H" bench --backend gpu --ranks-per-node 4; cat "$T/e"; test $rc -eq 1 && test "$(grep -c . "$T/e")" -eq 1 && grep -q -- "--backend gpu:" "$T/e"; }
+bench_sweep_needs_the_gpu() { fails_with 2 "--sweep-sms times GPU kernels: not with --backend host" "$H" bench --backend host --sweep-sms 4,8; }
+bench_sweep_rejects_bad_list() { fails_with 2 "--sweep-sms 0 is out of range (allowed: 1..132)" "$H" bench --sweep-sms 4,0; }
+
+for t in plan_ep64 plan_accepts_opt_equals_value plan_json plan_rejects_fp8_hidden \
+    plan_help_lists_defaults_and_env bench_help_lists_defaults version_names_the_library \
+    unknown_argument_exits_2 unknown_command_exits_2 doctor_text_exits_0 doctor_prints_the_version \
+    doctor_json_is_one_document bench_host_runs_and_says_so bench_host_two_nodes_runs \
+    bench_rejects_zero_nodes bench_rejects_bad_dtype bench_rejects_zero_ranks_per_node \
+    bench_rejects_too_many_ranks_naming_the_limit bench_rejects_huge_nodes \
+    bench_says_out_of_range_for_big_numbers bench_names_only_the_broken_rule \
+    bench_says_not_an_integer_for_words bench_option_without_value_last_is_an_error \
+    bench_option_value_that_is_an_option_is_an_error bench_unwritable_json_file_exits_nonzero \
+    bench_json_file_is_written bench_host_json_says_one_timed_run bench_json_error_is_a_json_object \
+    bench_default_seed_is_fixed_and_printed bench_skewed_routing_ends_on_few_experts \
+    bench_skewed_routing_reaches_every_expert_with_defaults bench_out_of_host_memory_is_a_message \
+    bench_gpu_without_gpu_says_it_once bench_sweep_needs_the_gpu bench_sweep_rejects_bad_list; do
+    check "$t" "$t"
+done
 echo "$pass passed, $fail failed"
 test "$fail" -eq 0

@@ -1,32 +1,33 @@
 /* tools/bench.c: `hybridep bench` - verify against the host backend, then time dispatch
- * and combine against the same run's memory ceiling. Virtual ranks are threads of this
- * process, spread over --gpus devices (one GPU: all on device 0). */
+ * and combine against the same run's memory ceilings: the whole GPU's copy and a plain
+ * copy kernel given the same SMs as the phase. Virtual ranks are threads of this process,
+ * spread over --gpus devices (one GPU: all on device 0). Public API only. */
 #include <math.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <errno.h>
 
 #include <cuda_runtime_api.h>
 
+#include "ceilings.h"
 #include "cli.h"
-#include "core/core.h"
-#include "group/group.h"
-#include "kernels/ep_kernels.h"
-#include "net/proxy.h"
 #include "json.h"
 
+/* Every rank is a thread of this process; one node's limit of the library. */
+#define BENCH_MAX_RANKS 72
+#define BENCH_DEFAULT_SEED 1
+
 typedef struct bench_opts {
-    int R, nodes, H, T, El, K, sms, iters, warmup, gpus, skew, as_json, host;
+    int R, nodes, H, T, El, K, sms, iters, warmup, gpus, skew, as_json, host, backend, dtype_i;
+    int seed;
     hep_dtype dtype;
-    unsigned seed;
+    cli_int_list sweep;
     const char *dump, *json_file;
 } bench_opts;
-
-typedef struct ceilings {
-    double copy, write, read; /* GB/s: D2D copy (read + write), memset (write), read kernel */
-} ceilings;
 
 typedef struct rank_data {
     int t;
@@ -40,11 +41,11 @@ typedef struct rank_data {
     float *r_probs, *r_scales;
     uint16_t *r_comb;
     /* timings, per iteration (ms) */
-    float *t_disp, *t_comb;               /* own launch -> own end */
+    float *t_disp, *t_comb;                   /* own launch -> own end */
     float *s_disp, *e_disp, *s_comb, *e_comb; /* start / end after rank 0's reference event */
     double *s_pre, *e_pre; /* in-kernel %globaltimer (ms): dispatch start, layout ready */
-    hep_proxy_peer_stats net[2]; /* N > 1: what the proxy posted in the timed iterations,
-                                    dispatch and combine, summed over the peers */
+    hep_group_stats net[2]; /* N > 1: what the proxy posted in the timed iterations,
+                               dispatch and combine */
     int rc;
     char err[1024];
 } rank_data;
@@ -56,16 +57,21 @@ typedef struct bench {
     rank_data *rd;
     hep_inproc_world *world;
     int verify_bad;
-    double ceiling_gbs; /* device (or host) copy, read + write */
-    char nic[32];       /* N > 1: the NIC the proxy drove (rank 0's) */
-    ceilings ceil;      /* device: copy, write-only, read-only */
-    void *ref_event;    /* rank 0's reference event of the current iteration */
+    double ceiling_gbs;   /* device (or host) copy, read + write */
+    char nic[32];         /* N > 1: the NIC the proxy drove (rank 0's) */
+    bench_ceilings ceil;  /* device: copy, write-only, read-only */
+    void *ref_event;      /* rank 0's reference event of the current iteration */
+    FILE *json_out;       /* --json-file, opened before the run so a bad path fails first */
 } bench;
 
-static unsigned lcg(unsigned *s)
+/* splitmix64: every bit well mixed (an LCG's low bits cycle quickly, which made the
+ * skewed routing reach a quarter of the experts and loop forever on small ones) */
+static uint64_t rnd(uint64_t *s)
 {
-    *s = *s * 1664525u + 1013904223u;
-    return *s >> 8;
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
 }
 
 static uint16_t bf16_of(float f)
@@ -75,61 +81,99 @@ static uint16_t bf16_of(float f)
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* Top-k routing: K distinct experts per token, uniform or skewed towards the first ranks. */
-static void make_routing(bench *b)
+/* One expert not yet among the token's first k: uniform, or skewed (3 in 4 draws from
+ * the first quarter of the experts). Bounded: after 64 rejected draws, the first free one. */
+static int pick_expert(uint64_t *s, const int *chosen, int k, int E, int skew)
+{
+    int hot = E / 4 > 0 ? E / 4 : 1;
+    for (int tries = 0;; tries++) {
+        uint64_t u = rnd(s);
+        int e = tries >= 64 ? -1 : skew && (u >> 62) != 0 ? (int)(u % (uint64_t)hot)
+                                                           : (int)(u % (uint64_t)E);
+        int dup = 0;
+        if (e < 0) { /* K <= E, so a free expert exists */
+            for (e = 0; e < E; e++) {
+                dup = 0;
+                for (int q = 0; q < k; q++)
+                    dup |= chosen[q] == e;
+                if (!dup)
+                    return e;
+            }
+            return 0;
+        }
+        for (int q = 0; q < k; q++)
+            dup |= chosen[q] == e;
+        if (!dup)
+            return e;
+    }
+}
+
+/* Top-k routing of every rank: K distinct experts per token. 0, or -1 (no memory). */
+static int make_routing(bench *b)
 {
     const int E = b->o.El * b->W, K = b->o.K, H = b->o.H;
-    unsigned s = b->o.seed;
+    uint64_t s = (uint64_t)(unsigned)b->o.seed;
     for (int r = 0; r < b->W; r++) {
         rank_data *d = &b->rd[r];
         size_t rb = (size_t)H * (size_t)b->esize;
         d->t = b->o.T;
         d->tokens = malloc(rb * (size_t)d->t + 16);
-        for (size_t k = 0; k < rb * (size_t)d->t / 2; k++)
-            ((uint16_t *)d->tokens)[k] =
-                b->esize == 2 ? bf16_of((float)(lcg(&s) % 2000) / 64.0f - 15.0f) : (uint16_t)lcg(&s);
         d->scales = malloc(sizeof(float) * (size_t)(b->ns + 1) * (size_t)d->t);
-        for (int k = 0; k < b->ns * d->t; k++)
-            d->scales[k] = (float)(lcg(&s) % 4096) / 1024.0f;
         d->idx = malloc(sizeof(int) * (size_t)K * (size_t)d->t);
         d->w = malloc(sizeof(float) * (size_t)K * (size_t)d->t);
+        if (!d->tokens || !d->scales || !d->idx || !d->w)
+            return -1;
+        for (size_t k = 0; k < rb * (size_t)d->t / 2; k++)
+            ((uint16_t *)d->tokens)[k] = b->esize == 2
+                                             ? bf16_of((float)(rnd(&s) % 2000) / 64.0f - 15.0f)
+                                             : (uint16_t)rnd(&s);
+        for (int k = 0; k < b->ns * d->t; k++)
+            d->scales[k] = (float)(rnd(&s) % 4096) / 1024.0f;
         for (int i = 0; i < d->t; i++) {
-            float sum = 0;
+            int *row = d->idx + (size_t)i * K;
+            float *w = d->w + (size_t)i * K, sum = 0;
             for (int k = 0; k < K; k++) {
-                int e, dup;
-                do {
-                    unsigned u = lcg(&s);
-                    e = b->o.skew && u % 4 != 0 ? (int)(u % (unsigned)(E / 4 > 0 ? E / 4 : 1))
-                                                : (int)(u % (unsigned)E);
-                    dup = 0;
-                    for (int q = 0; q < k; q++)
-                        dup |= d->idx[(size_t)i * K + q] == e;
-                } while (dup);
-                d->idx[(size_t)i * K + k] = e;
-                d->w[(size_t)i * K + k] = (float)(1 + lcg(&s) % 1000);
-                sum += d->w[(size_t)i * K + k];
+                row[k] = pick_expert(&s, row, k, E, b->o.skew);
+                w[k] = (float)(1 + rnd(&s) % 1000);
+                sum += w[k];
             }
             for (int k = 0; k < K; k++)
-                d->w[(size_t)i * K + k] /= sum;
+                w[k] /= sum;
         }
     }
+    return 0;
 }
 
-static void dump_routing(const bench *b)
+/* Distinct experts that received at least one slot (reported: a routing that misses
+ * experts measures less than it claims). */
+static int experts_reached(const bench *b)
 {
-    FILE *f = fopen(b->o.dump, "wb");
+    const int E = b->o.El * b->W;
+    unsigned char *seen = calloc((size_t)E, 1);
+    int n = 0;
+    if (!seen)
+        return -1;
+    for (int r = 0; r < b->W; r++)
+        for (size_t k = 0; k < (size_t)b->rd[r].t * (size_t)b->o.K; k++)
+            seen[b->rd[r].idx[k]] = 1;
+    for (int e = 0; e < E; e++)
+        n += seen[e];
+    free(seen);
+    return n;
+}
+
+static int dump_routing(const bench *b, FILE *f)
+{
     int hdr[6] = {b->W, b->o.T, b->o.H, b->o.El, b->o.K, b->esize};
-    if (!f) {
-        fprintf(stderr, "hybridep bench: cannot write %s\n", b->o.dump);
-        return;
+    int bad = fwrite(hdr, sizeof(hdr), 1, f) != 1;
+    for (int r = 0; r < b->W && !bad; r++) {
+        size_t n = (size_t)b->rd[r].t * (size_t)b->o.K;
+        bad |= fwrite(&b->rd[r].t, sizeof(int), 1, f) != 1;
+        bad |= fwrite(b->rd[r].idx, sizeof(int), n, f) != n;
+        bad |= fwrite(b->rd[r].w, sizeof(float), n, f) != n;
     }
-    fwrite(hdr, sizeof(hdr), 1, f);
-    for (int r = 0; r < b->W; r++) {
-        fwrite(&b->rd[r].t, sizeof(int), 1, f);
-        fwrite(b->rd[r].idx, sizeof(int), (size_t)b->rd[r].t * (size_t)b->o.K, f);
-        fwrite(b->rd[r].w, sizeof(float), (size_t)b->rd[r].t * (size_t)b->o.K, f);
-    }
-    fclose(f);
+    bad |= fclose(f) != 0;
+    return bad ? cli_fail("bench", 1, "writing --dump-routing '%s' failed", b->o.dump) : 0;
 }
 
 static double now_ms(void)
@@ -159,10 +203,47 @@ static double now_ms(void)
         }                                                                                        \
     } while (0)
 
+#define MCK(p)                                                                                   \
+    do {                                                                                         \
+        if (!(p)) {                                                                              \
+            snprintf(d->err, sizeof(d->err), "out of host memory (%s)", #p);                    \
+            d->rc = HEP_ERR_NOMEM;                                                               \
+            goto out;                                                                            \
+        }                                                                                        \
+    } while (0)
+
 typedef struct thread_arg {
     bench *b;
-    int rank, host_pass;
+    int rank;
 } thread_arg;
+
+/* acc += now - before */
+static void net_add(hep_group_stats *acc, const hep_group_stats *before, const hep_group_stats *now)
+{
+    acc->net_bytes += now->net_bytes - before->net_bytes;
+    acc->net_data_writes += now->net_data_writes - before->net_data_writes;
+    acc->net_flag_writes += now->net_flag_writes - before->net_flag_writes;
+    acc->net_flags_done += now->net_flags_done - before->net_flags_done;
+    acc->net_ready_to_flag_ns += now->net_ready_to_flag_ns - before->net_ready_to_flag_ns;
+}
+
+/* Per rank and call in the timed iterations, for phase 0 (dispatch) or 1 (combine): bytes
+ * sent, work requests, mean ready-to-flag latency (us). */
+static void net_per_call(const bench *b, int phase, double *bytes, double *wrs, double *lat_us)
+{
+    double lat = 0, nflags = 0;
+    *bytes = *wrs = 0;
+    for (int r = 0; r < b->W; r++) {
+        const hep_group_stats *n = &b->rd[r].net[phase];
+        *bytes += (double)n->net_bytes;
+        *wrs += (double)(n->net_data_writes + n->net_flag_writes);
+        lat += (double)n->net_ready_to_flag_ns;
+        nflags += (double)n->net_flags_done;
+    }
+    *bytes /= (double)b->W * b->o.iters;
+    *wrs /= (double)b->W * b->o.iters;
+    *lat_us = nflags ? lat / nflags / 1e3 : NAN;
+}
 
 /* The host-backend pass: same inputs, results compared with what the GPU gave. */
 static void *host_rank(void *p)
@@ -208,6 +289,7 @@ static void *host_rank(void *p)
             ((uint16_t *)hep_combine_input(g))[(size_t)j * (size_t)b->o.H + (size_t)h] =
                 bf16_of((float)((ta->rank + 1) * 8 + j % 13) + 0.25f * (float)(h % 5));
     comb = malloc((size_t)b->o.H * 2 * (size_t)d->t + 16);
+    MCK(comb);
     memset(&ca, 0, sizeof(ca));
     ca.handle = dr.handle;
     ca.expert_out = hep_combine_input(g);
@@ -221,56 +303,9 @@ static void *host_rank(void *p)
                  ta->rank);
     }
 out:
-    if (d->rc)
-        fprintf(stderr, "hybridep bench: host backend, rank %d: %s\n", ta->rank, d->err);
     free(comb);
     hep_group_destroy(g);
     return NULL;
-}
-
-/* The proxy's counters, summed over the peers (zero with one node). */
-static hep_proxy_peer_stats net_now(hep_group *g)
-{
-    hep_proxy_peer_stats t, x;
-    memset(&t, 0, sizeof(t));
-    for (int p = 0; g->proxy && p < g->world; p++) {
-        hep_proxy_stats(g->proxy, p, &x);
-        t.bytes += x.bytes;
-        t.data_wrs += x.data_wrs;
-        t.flag_wrs += x.flag_wrs;
-        t.flags_done += x.flags_done;
-        t.ready_to_flag_ns += x.ready_to_flag_ns;
-    }
-    return t;
-}
-
-/* Per rank and call in the timed iterations, for phase 0 (dispatch) or 1 (combine): bytes
- * sent, work requests, mean ready-to-flag latency (us). */
-static void net_per_call(const bench *b, int phase, double *bytes, double *wrs, double *lat_us)
-{
-    double lat = 0, nflags = 0;
-    *bytes = *wrs = 0;
-    for (int r = 0; r < b->W; r++) {
-        const hep_proxy_peer_stats *n = &b->rd[r].net[phase];
-        *bytes += (double)n->bytes;
-        *wrs += (double)(n->data_wrs + n->flag_wrs);
-        lat += (double)n->ready_to_flag_ns;
-        nflags += (double)n->flags_done;
-    }
-    *bytes /= (double)b->W * b->o.iters;
-    *wrs /= (double)b->W * b->o.iters;
-    *lat_us = nflags ? lat / nflags / 1e3 : NAN;
-}
-
-/* acc += now - before */
-static void net_add(hep_proxy_peer_stats *acc, const hep_proxy_peer_stats *before,
-                    const hep_proxy_peer_stats *now)
-{
-    acc->bytes += now->bytes - before->bytes;
-    acc->data_wrs += now->data_wrs - before->data_wrs;
-    acc->flag_wrs += now->flag_wrs - before->flag_wrs;
-    acc->flags_done += now->flags_done - before->flags_done;
-    acc->ready_to_flag_ns += now->ready_to_flag_ns - before->ready_to_flag_ns;
 }
 
 static void *gpu_rank(void *p)
@@ -290,12 +325,15 @@ static void *gpu_rank(void *p)
     hep_dispatch_args da;
     hep_dispatch_result dr;
     hep_combine_args ca;
+    hep_group_info gi;
+    uint16_t *h = NULL;
 
     hep_inproc_bootstrap(b->world, ta->rank, &bs);
     CKB(cudaSetDevice(dev));
     HCK(hep_group_create(&b->cfg, &bs, dev, &g));
-    if (ta->rank == 0 && g->coord)
-        snprintf(b->nic, sizeof(b->nic), "%s", g->coord->net->v->name);
+    HCK(hep_group_get_info(g, &gi));
+    if (ta->rank == 0)
+        snprintf(b->nic, sizeof(b->nic), "%s", gi.transport);
     CKB(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     for (int k = 0; k < 7; k++)
         CKB(cudaEventCreate(&ev[k]));
@@ -319,25 +357,30 @@ static void *gpu_rank(void *p)
     da.stream = st;
 
     /* 1. one synchronous call, results kept for the verification */
-    CKB(cudaMemsetAsync(hep_combine_input(g), 0xff, g->plan.buf[HEP_BUF_TOKEN_X].bytes, st));
+    CKB(cudaMemsetAsync(hep_combine_input(g), 0xff, gi.max_recv_rows * (size_t)H * 2, st));
     CKB(cudaMemsetAsync(d_out, 0xff, (size_t)H * 2 * (size_t)d->t, st)); /* poison */
     CKB(cudaStreamSynchronize(st));
     bs.barrier(bs.ctx);
     HCK(hep_dispatch(g, &da, &dr));
     d->num_recv = dr.num_recv;
     d->tpe = malloc(sizeof(int) * (size_t)El);
+    MCK(d->tpe);
     memcpy(d->tpe, dr.host_counts + 1, sizeof(int) * (size_t)El);
     d->r_tokens = malloc(rb * (size_t)d->num_recv + 1);
+    MCK(d->r_tokens);
     d->r_probs = malloc(sizeof(float) * (size_t)El * (size_t)d->num_recv + 1);
+    MCK(d->r_probs);
     CKB(cudaMemcpy(d->r_tokens, dr.tokens, rb * (size_t)d->num_recv, cudaMemcpyDeviceToHost));
     CKB(cudaMemcpy(d->r_probs, dr.probs, sizeof(float) * (size_t)El * (size_t)d->num_recv, cudaMemcpyDeviceToHost));
     if (b->esize == 1) {
         d->r_scales = malloc(sizeof(float) * (size_t)b->ns * (size_t)d->num_recv + 1);
+        MCK(d->r_scales);
         CKB(cudaMemcpy(d->r_scales, dr.scales, sizeof(float) * (size_t)b->ns * (size_t)d->num_recv,
                        cudaMemcpyDeviceToHost));
     }
     {
-        uint16_t *h = malloc((size_t)H * 2 * (size_t)d->num_recv + 16);
+        h = malloc((size_t)H * 2 * (size_t)d->num_recv + 16);
+        MCK(h);
         for (int j = 0; j < d->num_recv; j++)
             for (int c = 0; c < H; c++)
                 h[(size_t)j * H + c] = bf16_of((float)((ta->rank + 1) * 8 + j % 13) + 0.25f * (float)(c % 5));
@@ -345,6 +388,7 @@ static void *gpu_rank(void *p)
                             cudaMemcpyHostToDevice, st));
         CKB(cudaStreamSynchronize(st));
         free(h);
+        h = NULL;
     }
     bs.barrier(bs.ctx);
     memset(&ca, 0, sizeof(ca));
@@ -354,17 +398,26 @@ static void *gpu_rank(void *p)
     ca.stream = st;
     HCK(hep_combine(g, &ca));
     d->r_comb = malloc((size_t)H * 2 * (size_t)d->t + 16);
+    MCK(d->r_comb);
     CKB(cudaMemcpy(d->r_comb, d_out, (size_t)H * 2 * (size_t)d->t, cudaMemcpyDeviceToHost));
 
     /* 2. timed iterations: dispatch then combine, each bracketed by events */
     d->t_disp = calloc((size_t)it_total, sizeof(float));
+    MCK(d->t_disp);
     d->t_comb = calloc((size_t)it_total, sizeof(float));
+    MCK(d->t_comb);
     d->s_disp = calloc((size_t)it_total, sizeof(float));
+    MCK(d->s_disp);
     d->s_pre = calloc((size_t)it_total, sizeof(double));
+    MCK(d->s_pre);
     d->e_pre = calloc((size_t)it_total, sizeof(double));
+    MCK(d->e_pre);
     d->e_disp = calloc((size_t)it_total, sizeof(float));
+    MCK(d->e_disp);
     d->s_comb = calloc((size_t)it_total, sizeof(float));
+    MCK(d->s_comb);
     d->e_comb = calloc((size_t)it_total, sizeof(float));
+    MCK(d->e_comb);
     da.flags = HEP_ASYNC;
     ca.flags = HEP_ASYNC;
     for (int it = 0; it < it_total; it++) {
@@ -375,13 +428,14 @@ static void *gpu_rank(void *p)
             b->ref_event = ev[6];
         }
         bs.barrier(bs.ctx);
-        hep_proxy_peer_stats n0 = net_now(g), n1, n2;
+        hep_group_stats n0, n1, n2;
+        HCK(hep_group_get_stats(g, &n0));
         CKB(cudaEventRecord(ev[0], st));
         HCK(hep_dispatch(g, &da, &dr));
         CKB(cudaEventRecord(ev[1], st));
         CKB(cudaStreamSynchronize(st));
         HCK(hep_group_sync(g, st));
-        n1 = net_now(g);
+        HCK(hep_group_get_stats(g, &n1));
         bs.barrier(bs.ctx);
         ca.handle = dr.handle;
         CKB(cudaEventRecord(ev[2], st));
@@ -389,7 +443,7 @@ static void *gpu_rank(void *p)
         CKB(cudaEventRecord(ev[3], st));
         CKB(cudaStreamSynchronize(st));
         HCK(hep_group_sync(g, st));
-        n2 = net_now(g);
+        HCK(hep_group_get_stats(g, &n2));
         if (it >= b->o.warmup) {
             net_add(&d->net[0], &n0, &n1);
             net_add(&d->net[1], &n1, &n2);
@@ -397,20 +451,15 @@ static void *gpu_rank(void *p)
         CKB(cudaEventElapsedTime(&d->t_disp[it], ev[0], ev[1]));
         CKB(cudaEventElapsedTime(&d->t_comb[it], ev[2], ev[3]));
         CKB(cudaEventElapsedTime(&d->s_disp[it], (cudaEvent_t)b->ref_event, ev[0]));
-        {
-            const hep_diag *dg =
-                (const hep_diag *)(g->arena[HEP_ARENA_MAPPED] + g->plan.buf[HEP_BUF_DIAG].offset);
-            d->s_pre[it] = (double)dg->t_start / 1e6;
-            d->e_pre[it] = (double)dg->t_layout / 1e6;
-        }
+        d->s_pre[it] = (double)n1.dispatch_start_ns / 1e6;
+        d->e_pre[it] = (double)n1.layout_ready_ns / 1e6;
         CKB(cudaEventElapsedTime(&d->e_disp[it], (cudaEvent_t)b->ref_event, ev[1]));
         CKB(cudaEventElapsedTime(&d->s_comb[it], (cudaEvent_t)b->ref_event, ev[2]));
         CKB(cudaEventElapsedTime(&d->e_comb[it], (cudaEvent_t)b->ref_event, ev[3]));
         bs.barrier(bs.ctx); /* the reference event stays alive until all have read it */
     }
 out:
-    if (d->rc)
-        fprintf(stderr, "hybridep bench: rank %d: %s\n", ta->rank, d->err);
+    free(h);
     cudaFree(d_tok), cudaFree(d_sc), cudaFree(d_idx), cudaFree(d_w), cudaFree(d_out);
     for (int k = 0; k < 7; k++)
         if (ev[k])
@@ -421,25 +470,68 @@ out:
     return NULL;
 }
 
-static int run_threads(bench *b, void *(*fn)(void *))
+static void free_results(bench *b)
 {
-    pthread_t th[HEP_MAX_LOCAL];
-    thread_arg ta[HEP_MAX_LOCAL];
-    if (hep_inproc_world_create(b->W, &b->world))
-        return 1;
     for (int r = 0; r < b->W; r++) {
-        ta[r].b = b;
-        ta[r].rank = r;
-        pthread_create(&th[r], NULL, fn, &ta[r]);
+        rank_data *d = &b->rd[r];
+        void *p[] = {d->tpe, d->r_tokens, d->r_probs, d->r_scales, d->r_comb, d->t_disp,
+                     d->t_comb, d->s_disp, d->e_disp, d->s_comb, d->e_comb, d->s_pre, d->e_pre};
+        for (size_t k = 0; k < sizeof(p) / sizeof(p[0]); k++)
+            free(p[k]);
+        d->tpe = NULL, d->r_tokens = NULL, d->r_probs = NULL, d->r_scales = NULL;
+        d->r_comb = NULL, d->t_disp = d->t_comb = d->s_disp = d->e_disp = NULL;
+        d->s_comb = d->e_comb = NULL, d->s_pre = d->e_pre = NULL;
+        memset(d->net, 0, sizeof(d->net));
+        d->rc = 0;
+        d->err[0] = '\0';
+    }
+}
+
+/* Run fn on every rank; on failure one message, each distinct text once with its ranks
+ * (one cause seen by all ranks is said once, not once per rank). */
+static int run_threads(bench *b, void *(*fn)(void *), const char *what)
+{
+    pthread_t th[BENCH_MAX_RANKS];
+    thread_arg ta[BENCH_MAX_RANKS];
+    char msg[4096];
+    size_t n = 0;
+    int failed = 0;
+    if (hep_inproc_world_create(b->W, &b->world))
+        return cli_fail("bench", 1, "%s", hep_last_error());
+    for (int r = 0; r < b->W; r++) {
+        ta[r] = (thread_arg){b, r};
+        if (pthread_create(&th[r], NULL, fn, &ta[r]) != 0) {
+            /* the started ranks time out waiting for this one (HEP_TIMEOUT_MS) */
+            b->rd[r].rc = HEP_ERR_NOMEM;
+            snprintf(b->rd[r].err, sizeof(b->rd[r].err), "cannot start its thread");
+            th[r] = 0;
+        }
     }
     for (int r = 0; r < b->W; r++)
-        pthread_join(th[r], NULL);
+        if (th[r])
+            pthread_join(th[r], NULL);
     hep_inproc_world_destroy(b->world);
     b->world = NULL;
-    for (int r = 0; r < b->W; r++)
-        if (b->rd[r].rc)
-            return 1;
-    return 0;
+    msg[0] = '\0';
+    for (int r = 0; r < b->W; r++) {
+        int seen = 0, cnt = 0;
+        if (!b->rd[r].rc)
+            continue;
+        failed = 1;
+        for (int q = 0; q < r; q++)
+            seen |= b->rd[q].rc && strcmp(b->rd[q].err, b->rd[r].err) == 0;
+        if (seen)
+            continue;
+        for (int q = r; q < b->W; q++)
+            cnt += b->rd[q].rc && strcmp(b->rd[q].err, b->rd[r].err) == 0;
+        if (n < sizeof(msg))
+            n += (size_t)snprintf(msg + n, sizeof(msg) - n, "%s%s: %s", n ? "; " : "",
+                                  cnt == b->W ? "every rank" : cnt > 1 ? "several ranks" : "rank",
+                                  b->rd[r].err);
+        if (cnt == 1 && n < sizeof(msg)) /* name the single rank */
+            n += (size_t)snprintf(msg + n, sizeof(msg) - n, " (rank %d)", r);
+    }
+    return failed ? cli_fail("bench", 1, "%s failed: %s", what, msg) : 0;
 }
 
 static int cmp_f(const void *a, const void *b)
@@ -456,6 +548,8 @@ static int cmp_f(const void *a, const void *b)
 static double phase_ms(const bench *b, int which)
 {
     float *per = malloc(sizeof(float) * (size_t)b->o.iters), m;
+    if (!per)
+        return NAN;
     for (int it = 0; it < b->o.iters; it++) {
         int k = b->o.warmup + it;
         double first = 1e300, last = -1e300, end = -1e300;
@@ -475,68 +569,15 @@ static double phase_ms(const bench *b, int which)
     return m;
 }
 
-static int cmp_d(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-/* Median of 11 timed runs of one of three operations over 2 GiB. */
-static double time_op(int op, void *a, void *c, size_t bytes, unsigned *sink, int sms)
-{
-    cudaEvent_t e0, e1;
-    double t[11];
-    cudaEventCreate(&e0);
-    cudaEventCreate(&e1);
-    for (int k = -1; k < 11; k++) { /* k = -1: warm-up */
-        float ms = 0;
-        cudaEventRecord(e0, 0);
-        if (op == 0)
-            cudaMemcpyAsync(c, a, bytes, cudaMemcpyDeviceToDevice, 0);
-        else if (op == 1)
-            cudaMemsetAsync(c, k & 0xff, bytes, 0);
-        else
-            hep_launch_read_ceiling(a, bytes, sink, sms * 4, 0);
-        cudaEventRecord(e1, 0);
-        cudaEventSynchronize(e1);
-        cudaEventElapsedTime(&ms, e0, e1);
-        if (k >= 0)
-            t[k] = ms;
-    }
-    cudaEventDestroy(e0);
-    cudaEventDestroy(e1);
-    qsort(t, 11, sizeof(double), cmp_d);
-    return t[5];
-}
-
-static ceilings device_ceilings(int dev)
-{
-    size_t bytes = (size_t)2 << 30;
-    void *a = NULL, *c = NULL;
-    unsigned *sink = NULL;
-    int sms = 0;
-    ceilings r = {NAN, NAN, NAN};
-    cudaSetDevice(dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&c, bytes) != cudaSuccess ||
-        cudaMalloc((void **)&sink, 4) != cudaSuccess) {
-        cudaFree(a), cudaFree(c);
-        (void)cudaGetLastError();
-        return r;
-    }
-    cudaMemset(a, 1, bytes);
-    r.copy = 2.0 * (double)bytes / (time_op(0, a, c, bytes, sink, sms) * 1e-3) / 1e9;
-    r.write = (double)bytes / (time_op(1, a, c, bytes, sink, sms) * 1e-3) / 1e9;
-    r.read = (double)bytes / (time_op(2, a, c, bytes, sink, sms) * 1e-3) / 1e9;
-    cudaFree(a), cudaFree(c), cudaFree(sink);
-    return r;
-}
-
 static double host_copy_ceiling(void)
 {
     size_t bytes = (size_t)256 << 20;
     char *a = malloc(bytes), *c = malloc(bytes);
     double t[5];
+    if (!a || !c) {
+        free(a), free(c);
+        return NAN;
+    }
     memset(a, 1, bytes);
     memset(c, 0, bytes);
     for (int k = 0; k < 5; k++) {
@@ -556,82 +597,73 @@ static double host_copy_ceiling(void)
     return 2.0 * (double)bytes / (t[2] * 1e-3) / 1e9;
 }
 
+static const char *const bench_notes =
+    "Every rank is a thread of this process: --nodes x --ranks-per-node <= 72.\n"
+    "The default seed is fixed, so two runs route alike; --seed changes it.\n"
+    "--sweep-sms S1,S2,... runs the GPU bench once per SM count and prints one row each\n"
+    "(layout step, dispatch, combine, the same-SM copy ceiling, ratios); a count whose\n"
+    "blocks (ranks per GPU x S) exceed the GPU's SMs is skipped with the reason.\n"
+    "Exit codes: 0 done, 1 failed (configuration, GPU, verification), 2 bad option.";
+
 static int parse(int argc, char **argv, bench_opts *o)
 {
-    int rc = 0;
-    const char *dt = "bf16", *backend = NULL, *routing = "uniform";
+    int rc, routing = 0;
     memset(o, 0, sizeof(*o));
     o->R = 8, o->nodes = 1, o->H = 7168, o->T = 4096, o->El = 32, o->K = 8, o->sms = 16;
-    o->iters = 20, o->warmup = 5, o->gpus = 1, o->seed = (unsigned)time(NULL);
-    for (int i = 0; i < argc && rc == 0; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        int seed = 0;
-        if (!strcmp(a, "--json"))
-            o->as_json = 1;
-        else if (!strcmp(a, "--ranks-per-node") && ++i)
-            rc = cli_parse_int("bench", a, v, &o->R);
-        else if (!strcmp(a, "--nodes") && ++i)
-            rc = cli_parse_int("bench", a, v, &o->nodes);
-        else if (!strcmp(a, "--hidden") && ++i)
-            rc = cli_parse_int("bench", a, v, &o->H);
-        else if (!strcmp(a, "--tokens") && ++i)
-            rc = cli_parse_int("bench", a, v, &o->T);
-        else if (!strcmp(a, "--experts-per-rank") && ++i)
-            rc = cli_parse_int("bench", a, v, &o->El);
-        else if (!strcmp(a, "--topk") && ++i)
-            rc = cli_parse_int("bench", a, v, &o->K);
-        else if (!strcmp(a, "--sms") && ++i)
-            rc = cli_parse_int("bench", a, v, &o->sms);
-        else if (!strcmp(a, "--iters") && ++i)
-            rc = cli_parse_int("bench", a, v, &o->iters);
-        else if (!strcmp(a, "--warmup") && ++i)
-            rc = cli_parse_int("bench", a, v, &o->warmup);
-        else if (!strcmp(a, "--gpus") && ++i)
-            rc = cli_parse_int("bench", a, v, &o->gpus);
-        else if (!strcmp(a, "--seed") && ++i) {
-            rc = cli_parse_int("bench", a, v, &seed);
-            o->seed = (unsigned)seed;
-        } else if (!strcmp(a, "--dtype") && ++i)
-            dt = v;
-        else if (!strcmp(a, "--backend") && ++i)
-            backend = v;
-        else if (!strcmp(a, "--routing") && ++i)
-            routing = v;
-        else if (!strcmp(a, "--dump-routing") && ++i)
-            o->dump = v;
-        else if (!strcmp(a, "--json-file") && ++i)
-            o->json_file = v;
-        else
-            return cli_usage_error("bench", a);
+    o->iters = 20, o->warmup = 5, o->gpus = 1, o->seed = BENCH_DEFAULT_SEED;
+    {
+        const cli_opt opts[] = {
+            {"nodes", CLI_INT, &o->nodes, 1, 4096, NULL, "N", "virtual nodes (N > 1: the loopback NIC)"},
+            {"ranks-per-node", CLI_INT, &o->R, 1, BENCH_MAX_RANKS, NULL, "R", "ranks per node"},
+            {"hidden", CLI_INT, &o->H, 8, 65536, NULL, "H", "channels per token"},
+            {"tokens", CLI_INT, &o->T, 1, 65536, NULL, "T", "tokens per rank"},
+            {"experts-per-rank", CLI_INT, &o->El, 1, 1024, NULL, "E", "experts per rank"},
+            {"topk", CLI_INT, &o->K, 1, 32, NULL, "K", "experts per token"},
+            {"dtype", CLI_CHOICE, &o->dtype_i, 0, 0, "bf16|fp8", NULL, "dispatch payload"},
+            {"sms", CLI_INT, &o->sms, 1, 132, NULL, "S", "SMs of each rank's kernels"},
+            {"sweep-sms", CLI_INT_LIST, &o->sweep, 1, 132, NULL, "S1,S2,...", "one GPU run per SM count"},
+            {"iters", CLI_INT, &o->iters, 1, 100000, NULL, "I", "timed iterations"},
+            {"warmup", CLI_INT, &o->warmup, 0, 100000, NULL, "W", "warm-up iterations"},
+            {"backend", CLI_CHOICE, &o->backend, 0, 0, "auto|gpu|host", NULL, "auto: the GPU when there is one"},
+            {"routing", CLI_CHOICE, &routing, 0, 0, "uniform|skewed", NULL, "skewed: 3 in 4 slots on the first quarter of the experts"},
+            {"gpus", CLI_INT, &o->gpus, 1, 64, NULL, "G", "GPUs the ranks spread over"},
+            {"seed", CLI_INT, &o->seed, 0, 2147483647, NULL, "S", "routing and data seed"},
+            {"dump-routing", CLI_STR, &o->dump, 0, 0, NULL, "FILE", "write the routing (binary)"},
+            {"json", CLI_FLAG, &o->as_json, 0, 0, NULL, NULL, "one JSON document on stdout"},
+            {"json-file", CLI_STR, &o->json_file, 0, 0, NULL, "FILE", "also write the JSON report to FILE"},
+        };
+        const cli_cmd cmd = {"bench", "verify against the host backend, then time dispatch and "
+                                      "combine against the same run's ceilings",
+                             opts, (int)(sizeof(opts) / sizeof(opts[0])), bench_notes};
+        if ((rc = cli_parse(&cmd, argc, argv)))
+            return rc;
     }
-    if (rc)
-        return rc;
-    if ((rc = cli_parse_dtype("bench", dt, &o->dtype)))
-        return rc;
-    o->skew = routing && !strcmp(routing, "skewed");
-    if (routing && strcmp(routing, "uniform") && !o->skew) {
-        fprintf(stderr, "hybridep bench: --routing must be uniform or skewed\n");
-        return 2;
-    }
-    if (backend && strcmp(backend, "gpu") && strcmp(backend, "host")) {
-        fprintf(stderr, "hybridep bench: --backend must be gpu or host\n");
-        return 2;
-    }
-    if (o->iters < 1 || o->warmup < 0 || o->gpus < 1) {
-        fprintf(stderr, "hybridep bench: --iters >= 1, --warmup >= 0, --gpus >= 1\n");
-        return 2;
-    }
-    if (backend)
-        o->host = !strcmp(backend, "host");
-    else {
+    o->dtype = o->dtype_i ? HEP_DTYPE_FP8_E4M3 : HEP_DTYPE_BF16;
+    o->skew = routing == 1;
+    if (o->nodes > BENCH_MAX_RANKS / o->R) /* no product that could overflow is formed */
+        return cli_fail("bench", 2, "--nodes %d x --ranks-per-node %d = %lld ranks: at most %d "
+                        "(every rank is a thread of this process)", o->nodes, o->R,
+                        (long long)o->nodes * o->R, BENCH_MAX_RANKS);
+    if (o->backend == 2 && o->sweep.n)
+        return cli_fail("bench", 2, "--sweep-sms times GPU kernels: not with --backend host");
+    if (o->backend == 1 || (o->backend == 0 && hep_has_gpu_backend())) {
         int n = 0;
-        o->host = cudaGetDeviceCount(&n) != cudaSuccess || n == 0;
+        cudaError_t e = cudaGetDeviceCount(&n);
+        if (o->backend == 1 && !hep_has_gpu_backend())
+            return cli_fail("bench", 1, "--backend gpu: this hybridep library was built without "
+                            "CUDA (host backend only); use --backend host");
+        if (o->backend == 1 && (e != cudaSuccess || n == 0))
+            return cli_fail("bench", 1, "--backend gpu: no usable CUDA GPU: %s",
+                            e != cudaSuccess ? cudaGetErrorString(e) : "no device");
+        if (o->backend == 1 && o->gpus > n)
+            return cli_fail("bench", 2, "--gpus %d: this machine has %d GPU(s)", o->gpus, n);
+        o->host = e != cudaSuccess || n == 0;
         (void)cudaGetLastError();
+    } else {
+        o->host = 1;
     }
-    if (o->nodes < 1) {
-        fprintf(stderr, "hybridep bench: --nodes must be >= 1\n");
-        return 2;
-    }
+    if (o->host && o->sweep.n)
+        return cli_fail("bench", 1, "--sweep-sms times GPU kernels: this machine has no usable GPU");
     return 0;
 }
 
@@ -639,6 +671,9 @@ typedef struct phase_row {
     const char *name;
     double rows, bytes, ms, algbw_rank;
     double rbytes, wbytes; /* the fewest bytes, read and written */
+    double row_bytes;      /* the phase's row: H x esize (dispatch) or H x 2 (combine) */
+    double same_ms;        /* a plain copy of the phase's bytes with the phase's blocks */
+    int same_blocks;
 } phase_row;
 
 /* The floor a phase's mix of reads and writes allows on this device: the largest of its
@@ -651,107 +686,157 @@ static double floor_ms(const bench *b, const phase_row *p)
     return (m > c ? m : c) * 1e3;
 }
 
-static void report(const bench *b, const phase_row *ph, int n, const char *gpu_name, int sm_count,
-                   double host_dispatch_ms, double host_combine_ms)
+static double gbs_of(const phase_row *p)
+{
+    return p->bytes ? p->bytes / (p->ms * 1e-3) / 1e9 : NAN;
+}
+
+/* The same-SM copy of phase p: blocks = ranks per GPU x S; the phase's fewest bytes on one
+ * GPU as rows of its row size, each read and written once. */
+static int same_sm(const bench *b, int S, phase_row *p, char *why, size_t why_len)
+{
+    int per_gpu = b->W / b->o.gpus > 0 ? b->W / b->o.gpus : 1;
+    double bytes = p->bytes / b->o.gpus;
+    size_t rows = (size_t)ceil(bytes / 2 / p->row_bytes);
+    p->same_blocks = per_gpu * S;
+    return ceil_same_sm_copy(0, p->same_blocks, rows ? rows : 1, (size_t)p->row_bytes,
+                             b->o.iters, &p->same_ms, why, why_len);
+}
+
+static void json_phase(hep_json *j, const bench *b, const phase_row *p, int i)
 {
     const bench_opts *o = &b->o;
-    FILE *jf = o->as_json ? stdout : o->json_file ? fopen(o->json_file, "w") : NULL;
-    if (jf) {
+    json_obj(j, NULL);
+    json_str(j, "phase", p->name);
+    json_num(j, "rows", p->rows);
+    json_num(j, "fewest_bytes", p->bytes);
+    json_num(j, "median_ms", p->ms);
+    json_num(j, "gbs", gbs_of(p));
+    json_num(j, "fraction_of_ceiling", gbs_of(p) / b->ceiling_gbs);
+    if (!o->host) {
+        json_num(j, "algbw_per_rank_gbs", p->algbw_rank);
+        json_num(j, "read_bytes", p->rbytes);
+        json_num(j, "write_bytes", p->wbytes);
+        json_num(j, "mix_floor_ms", p->bytes ? floor_ms(b, p) : NAN);
+        json_int(j, "same_sm_blocks", p->same_blocks);
+        json_num(j, "same_sm_copy_ms", p->bytes ? p->same_ms : NAN);
+        json_num(j, "fraction_of_same_sm_copy", p->bytes ? p->same_ms / p->ms : NAN);
+    }
+    if (!o->host && o->nodes > 1 && i >= 1 && i <= 2) {
+        double bytes, wrs, lat;
+        net_per_call(b, i - 1, &bytes, &wrs, &lat);
+        json_num(j, "network_bytes_per_rank", bytes);
+        json_num(j, "network_writes_per_rank", wrs);
+        json_num(j, "ready_to_flag_us", lat);
+    }
+    json_end_obj(j);
+}
+
+static void json_head(hep_json *j, const bench *b, const char *gpu_name, int reached)
+{
+    const bench_opts *o = &b->o;
+    json_str(j, "hybridep_version", hep_version());
+    json_str(j, "backend", o->host ? "host" : "gpu");
+    json_str(j, "device", gpu_name);
+    json_int(j, "ranks", b->W);
+    json_int(j, "nodes", o->nodes);
+    json_int(j, "gpus", o->host ? 0 : o->gpus);
+    json_int(j, "hidden", o->H);
+    json_int(j, "tokens", o->T);
+    json_int(j, "experts_per_rank", o->El);
+    json_int(j, "topk", o->K);
+    json_str(j, "dtype", b->esize == 1 ? "fp8" : "bf16");
+    json_str(j, "routing", o->skew ? "skewed" : "uniform");
+    json_int(j, "seed", o->seed);
+    json_int(j, "experts_reached", reached);
+    json_int(j, "sms_per_rank", o->host ? 0 : o->sms);
+    /* the host backend is timed once, with no warm-up */
+    json_int(j, "iters", o->host ? 1 : o->iters);
+    json_int(j, "warmup", o->host ? 0 : o->warmup);
+    json_bool(j, "verified", !o->host && b->verify_bad == 0);
+    json_num(j, "ceiling_gbs", b->ceiling_gbs);
+    if (!o->host) {
+        json_num(j, "write_ceiling_gbs", b->ceil.write);
+        json_num(j, "read_ceiling_gbs", b->ceil.read);
+    }
+}
+
+/* Write the JSON report to stdout (--json) and/or the --json-file opened at start. */
+static int report_json(const bench *b, const phase_row *ph, int n, const char *gpu_name,
+                       int reached, void (*extra)(hep_json *, const void *), const void *ctx)
+{
+    FILE *fs[2] = {b->o.as_json ? stdout : NULL, b->json_out};
+    for (int k = 0; k < 2; k++) {
         hep_json j;
-        json_begin(&j, jf);
+        if (!fs[k])
+            continue;
+        json_begin(&j, fs[k]);
         json_obj(&j, NULL);
-        json_str(&j, "backend", o->host ? "host" : "gpu");
-        json_str(&j, "device", gpu_name);
-        json_int(&j, "ranks", b->W);
-        json_int(&j, "gpus", o->host ? 0 : o->gpus);
-        json_int(&j, "hidden", o->H);
-        json_int(&j, "tokens", o->T);
-        json_int(&j, "experts_per_rank", o->El);
-        json_int(&j, "topk", o->K);
-        json_str(&j, "dtype", b->esize == 1 ? "fp8" : "bf16");
-        json_str(&j, "routing", o->skew ? "skewed" : "uniform");
-        json_int(&j, "sms_per_rank", o->sms);
-        json_int(&j, "iters", o->iters);
-        json_bool(&j, "verified", !o->host && b->verify_bad == 0);
-        json_num(&j, "ceiling_gbs", b->ceiling_gbs);
-        json_num(&j, "write_ceiling_gbs", b->ceil.write);
-        json_num(&j, "read_ceiling_gbs", b->ceil.read);
-        json_int(&j, "nodes", o->nodes);
+        json_head(&j, b, gpu_name, reached);
         json_arr(&j, "phases");
-        for (int i = 0; i < n; i++) {
-            json_obj(&j, NULL);
-            json_str(&j, "phase", ph[i].name);
-            json_num(&j, "rows", ph[i].rows);
-            json_num(&j, "fewest_bytes", ph[i].bytes);
-            json_num(&j, "median_ms", ph[i].ms);
-            json_num(&j, "gbs", ph[i].bytes ? ph[i].bytes / (ph[i].ms * 1e-3) / 1e9 : NAN);
-            json_num(&j, "fraction_of_ceiling",
-                     ph[i].bytes ? ph[i].bytes / (ph[i].ms * 1e-3) / 1e9 / b->ceiling_gbs : NAN);
-            json_num(&j, "algbw_per_rank_gbs", ph[i].algbw_rank);
-            json_num(&j, "read_bytes", ph[i].rbytes);
-            json_num(&j, "write_bytes", ph[i].wbytes);
-            json_num(&j, "mix_floor_ms", ph[i].bytes ? floor_ms(b, &ph[i]) : NAN);
-            if (!o->host && o->nodes > 1 && i >= 1 && i <= 2) {
-                double bytes, wrs, lat;
-                net_per_call(b, i - 1, &bytes, &wrs, &lat);
-                json_num(&j, "network_bytes_per_rank", bytes);
-                json_num(&j, "network_writes_per_rank", wrs);
-                json_num(&j, "ready_to_flag_us", lat);
-            }
-            json_end_obj(&j);
-        }
+        for (int i = 0; i < n; i++)
+            json_phase(&j, b, &ph[i], i);
         json_end_arr(&j);
+        if (extra)
+            extra(&j, ctx);
         json_end_obj(&j);
         json_finish(&j);
-        if (jf != stdout)
-            fclose(jf);
-        if (o->as_json)
-            return;
     }
+    if (b->json_out && (ferror(b->json_out) | fclose(b->json_out)))
+        return cli_fail("bench", 1, "writing --json-file '%s' failed", b->o.json_file);
+    return 0;
+}
+
+static void report_text(const bench *b, const phase_row *ph, int n, const char *gpu_name,
+                        int sm_count, int reached)
+{
+    const bench_opts *o = &b->o;
     if (o->host) {
         printf("\nhybridep bench: HOST backend (no GPU): %d virtual ranks as threads (%d node(s) "
-               "x %d%s), H=%d T=%d E=%d (%d per rank) K=%d %s, %s routing, one dispatch + "
-               "combine (CPU memcpy and adds: the reference implementation, not comparable to "
-               "GPU figures)\n",
-               b->W, o->nodes, o->R, o->nodes > 1 ? ", loopback NIC" : "", o->H, o->T, o->El * b->W, o->El, o->K, b->esize == 1 ? "fp8" : "bf16",
-               o->skew ? "skewed" : "uniform");
+               "x %d%s), H=%d T=%d E=%d (%d per rank, %d reached) K=%d %s, %s routing, seed %d, "
+               "one dispatch + combine (CPU memcpy and adds: the reference implementation, not "
+               "comparable to GPU figures)\n",
+               b->W, o->nodes, o->R, o->nodes > 1 ? ", loopback NIC" : "", o->H, o->T,
+               o->El * b->W, o->El, reached, o->K, b->esize == 1 ? "fp8" : "bf16",
+               o->skew ? "skewed" : "uniform", o->seed);
         printf("host memcpy ceiling: %.0f GB/s (bytes read + written)\n", b->ceiling_gbs);
         printf("received rows: %.0f; fewest bytes of both phases: %.0f; wall time: %.1f ms "
                "(%.1f GB/s)\n",
-               ph[0].rows, ph[0].bytes, ph[0].ms, ph[0].bytes / (ph[0].ms * 1e-3) / 1e9);
+               ph[0].rows, ph[0].bytes, ph[0].ms, gbs_of(&ph[0]));
         return;
     }
     printf("\nhybridep bench: GPU backend, %d virtual rank(s) on %s (%d SMs), H=%d T=%d "
-           "E=%d (%d per rank) K=%d %s, %s routing, %d SMs per rank's kernel, %d iterations\n",
-           b->W, gpu_name, sm_count, o->H, o->T, o->El * b->W, o->El, o->K,
-           b->esize == 1 ? "fp8" : "bf16", o->skew ? "skewed" : "uniform", o->sms, o->iters);
-    printf("ceiling: %s copy %.0f GB/s (bytes read + written, median, same run)\n",
-           o->host ? "host memcpy" : "device-to-device", b->ceiling_gbs);
-    if (!o->host)
-        printf("         write-only (memset) %.0f GB/s, read-only (streaming read kernel) %.0f "
-               "GB/s\n",
-               b->ceil.write, b->ceil.read);
-    printf("%-11s %10s %14s %11s %9s %8s %15s %9s\n", "phase", "rows", "fewest bytes", "median",
-           "GB/s", "ceiling", "algbw/rank GB/s", "mix floor");
+           "E=%d (%d per rank, %d reached) K=%d %s, %s routing, seed %d, %d SMs per rank's "
+           "kernel, %d iterations\n",
+           b->W, gpu_name, sm_count, o->H, o->T, o->El * b->W, o->El, reached, o->K,
+           b->esize == 1 ? "fp8" : "bf16", o->skew ? "skewed" : "uniform", o->seed, o->sms,
+           o->iters);
+    printf("ceiling: device-to-device copy %.0f GB/s (bytes read + written, median, same run)\n",
+           b->ceiling_gbs);
+    printf("         write-only (memset) %.0f GB/s, read-only (streaming read kernel) %.0f GB/s\n",
+           b->ceil.write, b->ceil.read);
+    printf("%-11s %10s %14s %11s %9s %8s %15s %9s %12s %8s\n", "phase", "rows", "fewest bytes",
+           "median", "GB/s", "ceiling", "algbw/rank GB/s", "mix floor", "same-SM copy",
+           "vs same");
     for (int i = 0; i < n; i++) {
-        double gbs = ph[i].bytes / (ph[i].ms * 1e-3) / 1e9;
-        if (ph[i].bytes == 0)
-            printf("%-11s %10s %14s %8.1f us %9s %8s %15s\n", ph[i].name, "-", "-", ph[i].ms * 1e3,
-                   "-", "-", "-");
+        const phase_row *p = &ph[i];
+        if (p->bytes == 0)
+            printf("%-11s %10s %14s %8.1f us\n", p->name, "-", "-", p->ms * 1e3);
         else
-            printf("%-11s %10.0f %14.0f %8.3f ms %9.0f %7.1f%% %15.1f %6.3f ms\n", ph[i].name,
-                   ph[i].rows, ph[i].bytes, ph[i].ms, gbs, 100.0 * gbs / b->ceiling_gbs,
-                   ph[i].algbw_rank, o->host ? NAN : floor_ms(b, &ph[i]));
+            printf("%-11s %10.0f %14.0f %8.3f ms %9.0f %7.1f%% %15.1f %6.3f ms %9.3f ms %7.1f%%\n",
+                   p->name, p->rows, p->bytes, p->ms, gbs_of(p),
+                   100.0 * gbs_of(p) / b->ceiling_gbs, p->algbw_rank, floor_ms(b, p),
+                   p->same_ms, 100.0 * p->same_ms / p->ms);
     }
-    if (!o->host && o->nodes > 1) { /* what crossed the (loopback) network */
-        printf("network (%s NIC, %d nodes; per rank and call, medians' phase times):\n",
-               b->nic, o->nodes);
+    if (o->nodes > 1) { /* what crossed the (loopback) network */
+        printf("network (%s NIC, %d nodes; per rank and call, medians' phase times):\n", b->nic,
+               o->nodes);
         printf("%-11s %14s %10s %10s %12s %16s\n", "phase", "bytes sent", "GB/s", "writes",
                "writes/s", "ready->flag us");
-        for (int ph_i = 0; ph_i < 2; ph_i++) {
-            const phase_row *pr = &ph[1 + ph_i];
+        for (int k = 0; k < 2; k++) {
+            const phase_row *pr = &ph[1 + k];
             double bytes, wrs, lat;
-            net_per_call(b, ph_i, &bytes, &wrs, &lat);
+            net_per_call(b, k, &bytes, &wrs, &lat);
             printf("%-11s %14.0f %10.1f %10.1f %12.0f %16.1f\n", pr->name, bytes,
                    bytes / (pr->ms * 1e-3) / 1e9, wrs, wrs / (pr->ms * 1e-3), lat);
         }
@@ -763,28 +848,164 @@ static void report(const bench *b, const phase_row *ph, int n, const char *gpu_n
                                           : " The loopback NIC copies through this GPU's copy "
                                             "engine: these are not line-rate figures.");
     }
-    if (!o->host)
-        printf("preprocess = the layout step inside the dispatch kernel (in-kernel timer), "
-               "included in dispatch; times run from the last rank's launch to the last rank's "
-               "end; GB/s counts the fewest bytes; algbw = received rows x row bytes / time; "
-               "mix floor = the phase's reads at the read ceiling, writes at the write "
-               "ceiling, or all at the copy ceiling, whichever is longest\n");
-    (void)host_dispatch_ms, (void)host_combine_ms;
+    printf("preprocess = the layout step inside the dispatch kernel (in-kernel timer), "
+           "included in dispatch; times run from the last rank's launch to the last rank's "
+           "end; GB/s counts the fewest bytes; algbw = received rows x row bytes / time; "
+           "mix floor = the phase's reads at the read ceiling, writes at the write ceiling, "
+           "or all at the copy ceiling, whichever is longest; same-SM copy = a plain copy "
+           "kernel with the phase's blocks (ranks per GPU x SMs) over the phase's fewest "
+           "bytes, and 'vs same' its time over the phase's\n");
+}
+
+/* The figures of one finished GPU run (threads joined). */
+static void gpu_phases(bench *b, phase_row ph[3])
+{
+    double recv = 0, in_rows = 0, algd = 0, algc = 0;
+    const double H = b->o.H, es = b->esize, K = b->o.K, El = b->o.El, ns = b->ns;
+    for (int r = 0; r < b->W; r++) {
+        recv += b->rd[r].num_recv;
+        in_rows += b->rd[r].t;
+        algd += (double)b->rd[r].num_recv * H * es;
+        algc += (double)b->rd[r].num_recv * H * 2;
+    }
+    /* fewest bytes: each source row read once, each received row written once (+ routing,
+     * probabilities, scales); combine: each received row read once, each output written */
+    memset(ph, 0, sizeof(phase_row) * 3);
+    ph[0] = (phase_row){"preprocess", 0, 0, phase_ms(b, 2), 0, 0, 0, 0, 0, 0};
+    ph[1] = (phase_row){"dispatch", recv, 0, phase_ms(b, 0), 0,
+                        in_rows * H * es + in_rows * K * 8 + (es == 1 ? in_rows * ns * 4 : 0),
+                        recv * H * es + recv * El * 4 + (es == 1 ? recv * ns * 4 : 0), H * es, 0, 0};
+    ph[1].bytes = ph[1].rbytes + ph[1].wbytes;
+    ph[2] = (phase_row){"combine", recv, 0, phase_ms(b, 1), 0, recv * H * 2, in_rows * H * 2,
+                        H * 2, 0, 0};
+    ph[2].bytes = ph[2].rbytes + ph[2].wbytes;
+    ph[1].algbw_rank = algd / b->W / (ph[1].ms * 1e-3) / 1e9;
+    ph[2].algbw_rank = algc / b->W / (ph[2].ms * 1e-3) / 1e9;
+}
+
+/* One GPU run at S SMs per rank: time, verify, same-SM copies. 0 or an exit code. */
+static int gpu_run(bench *b, int S, phase_row ph[3])
+{
+    char why[512];
+    b->o.sms = S;
+    b->cfg.dispatch_sms = b->cfg.combine_sms = S;
+    b->verify_bad = 0;
+    free_results(b);
+    if (!b->o.as_json)
+        fprintf(stderr, "[bench] %d SMs per rank: one checked call, then %d warm-up + %d timed "
+                        "iterations\n", S, b->o.warmup, b->o.iters);
+    if (run_threads(b, gpu_rank, "the GPU run"))
+        return 1;
+    if (run_threads(b, host_rank, "the host-backend verification"))
+        return 1;
+    if (b->verify_bad)
+        return cli_fail("bench", 1, "VERIFICATION FAILED on %d rank(s): the GPU output differs "
+                        "from the host backend on the same inputs (seed %d)", b->verify_bad,
+                        b->o.seed);
+    gpu_phases(b, ph);
+    for (int i = 1; i <= 2; i++)
+        if (same_sm(b, S, &ph[i], why, sizeof(why)))
+            return cli_fail("bench", 1, "the same-SM copy ceiling: %s", why);
+    return 0;
+}
+
+typedef struct sweep_row {
+    int S, blocks, skipped;
+    char why[160];
+    phase_row ph[3];
+} sweep_row;
+
+typedef struct sweep_ctx {
+    const bench *b;
+    const sweep_row *rows;
+    int n;
+} sweep_ctx;
+
+static void json_sweep(hep_json *j, const void *p)
+{
+    const sweep_ctx *c = p;
+    json_arr(j, "sweep");
+    for (int i = 0; i < c->n; i++) {
+        const sweep_row *r = &c->rows[i];
+        json_obj(j, NULL);
+        json_int(j, "sms_per_rank", r->S);
+        json_int(j, "blocks", r->blocks);
+        if (r->skipped) {
+            json_str(j, "skipped", r->why);
+        } else {
+            json_num(j, "layout_ms", r->ph[0].ms);
+            json_num(j, "dispatch_ms", r->ph[1].ms);
+            json_num(j, "combine_ms", r->ph[2].ms);
+            json_num(j, "same_sm_copy_dispatch_ms", r->ph[1].same_ms);
+            json_num(j, "same_sm_copy_combine_ms", r->ph[2].same_ms);
+            json_num(j, "dispatch_fraction_of_same_sm_copy", r->ph[1].same_ms / r->ph[1].ms);
+            json_num(j, "combine_fraction_of_same_sm_copy", r->ph[2].same_ms / r->ph[2].ms);
+            json_num(j, "dispatch_fraction_of_ceiling", gbs_of(&r->ph[1]) / c->b->ceiling_gbs);
+            json_num(j, "combine_fraction_of_ceiling", gbs_of(&r->ph[2]) / c->b->ceiling_gbs);
+        }
+        json_end_obj(j);
+    }
+    json_end_arr(j);
+}
+
+static int sweep(bench *b, const char *gpu_name, int sm_count, int reached)
+{
+    static sweep_row rows[CLI_LIST_MAX];
+    const int per_gpu = b->W / b->o.gpus > 0 ? b->W / b->o.gpus : 1;
+    sweep_ctx ctx = {b, rows, b->o.sweep.n};
+    for (int i = 0; i < b->o.sweep.n; i++) {
+        sweep_row *r = &rows[i];
+        memset(r, 0, sizeof(*r));
+        r->S = b->o.sweep.v[i];
+        r->blocks = per_gpu * r->S;
+        if (r->blocks > sm_count) { /* co-dependent blocks must all be resident */
+            r->skipped = 1;
+            snprintf(r->why, sizeof(r->why), "%d ranks per GPU x %d SMs = %d blocks > the GPU's "
+                     "%d SMs", per_gpu, r->S, r->blocks, sm_count);
+            continue;
+        }
+        if (gpu_run(b, r->S, r->ph))
+            return 1;
+    }
+    if (!b->o.as_json) {
+        printf("\nhybridep bench --sweep-sms: %d virtual rank(s) on %s (%d SMs), H=%d T=%d E=%d "
+               "K=%d %s, %s routing, seed %d; every row verified against the host backend; "
+               "whole-GPU copy ceiling %.0f GB/s\n", b->W, gpu_name, sm_count, b->o.H, b->o.T,
+               b->o.El * b->W, b->o.K, b->esize == 1 ? "fp8" : "bf16",
+               b->o.skew ? "skewed" : "uniform", b->o.seed, b->ceiling_gbs);
+        printf("%8s %7s %10s %12s %11s %13s %13s %10s %10s %9s %9s\n", "SMs/rank", "blocks",
+               "layout ms", "dispatch ms", "combine ms", "copy(disp) ms", "copy(comb) ms",
+               "disp/copy", "comb/copy", "disp/GPU", "comb/GPU");
+        for (int i = 0; i < b->o.sweep.n; i++) {
+            const sweep_row *r = &rows[i];
+            if (r->skipped) {
+                printf("%8d %7d skipped: %s\n", r->S, r->blocks, r->why);
+                continue;
+            }
+            printf("%8d %7d %10.3f %12.3f %11.3f %13.3f %13.3f %9.1f%% %9.1f%% %8.1f%% %8.1f%%\n",
+                   r->S, r->blocks, r->ph[0].ms, r->ph[1].ms, r->ph[2].ms, r->ph[1].same_ms,
+                   r->ph[2].same_ms, 100 * r->ph[1].same_ms / r->ph[1].ms,
+                   100 * r->ph[2].same_ms / r->ph[2].ms,
+                   100 * gbs_of(&r->ph[1]) / b->ceiling_gbs, 100 * gbs_of(&r->ph[2]) / b->ceiling_gbs);
+        }
+        printf("copy(...) = a plain copy kernel with the row's blocks over the phase's fewest "
+               "bytes; x/copy = its time over the phase's (100%% = as fast as a copy with the "
+               "same SMs); x/GPU = the fraction of the whole GPU's copy ceiling\n");
+    }
+    return report_json(b, NULL, 0, gpu_name, reached, json_sweep, &ctx);
 }
 
 int hep_cmd_bench(int argc, char **argv)
 {
     static bench b;
     phase_row ph[3];
-    char gpu_name[300] = "the CPU";
-    int sm_count = 0, rc;
-    double recv = 0, in_rows = 0, disp_bytes, comb_bytes, algd = 0, algc = 0;
-    double hd = 0, hc = 0;
+    char gpu_name[300] = "the CPU", why[512];
+    int sm_count = 0, rc, reached;
 
     memset(&b, 0, sizeof(b));
     if ((rc = parse(argc, argv, &b.o)))
-        return rc;
-    b.W = b.o.R * b.o.nodes;
+        return rc < 0 ? 0 : rc;
+    b.W = b.o.R * b.o.nodes; /* <= BENCH_MAX_RANKS: checked in parse */
     b.esize = b.o.dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2;
     b.ns = b.o.H / HEP_FP8_BLOCK;
     hep_config_default(&b.cfg);
@@ -797,81 +1018,76 @@ int hep_cmd_bench(int argc, char **argv)
     b.cfg.dispatch_sms = b.o.sms;
     b.cfg.combine_sms = b.o.sms;
     b.cfg.backend = b.o.host ? HEP_BACKEND_HOST : HEP_BACKEND_GPU;
-    if (hep_config_check(&b.cfg, b.W) || b.W > HEP_MAX_LOCAL) {
-        fprintf(stderr, "hybridep bench: invalid configuration: %s\n", hep_last_error());
-        return 1;
-    }
+    if (hep_config_check(&b.cfg, b.W))
+        return cli_fail("bench", 1, "invalid configuration: %s", hep_last_error());
+    /* open the outputs first: a path that cannot be written fails before a long run */
+    if (b.o.json_file && !(b.json_out = fopen(b.o.json_file, "w")))
+        return cli_fail("bench", 2, "--json-file '%s' cannot be written: %s", b.o.json_file,
+                        strerror(errno));
     b.rd = calloc((size_t)b.W, sizeof(rank_data));
-    fprintf(stderr, "[bench] generating %s routing for %d ranks x %d tokens (seed %u)\n",
-            b.o.skew ? "skewed" : "uniform", b.W, b.o.T, b.o.seed);
-    make_routing(&b);
-    if (b.o.dump)
-        dump_routing(&b);
-    if (!b.o.host) {
-        struct cudaDeviceProp p;
-        cudaGetDeviceProperties(&p, 0);
-        snprintf(gpu_name, sizeof(gpu_name), "%d x %s", b.o.gpus, p.name);
-        sm_count = p.multiProcessorCount;
-        fprintf(stderr, "[bench] measuring the device copy ceiling\n");
-        b.ceil = device_ceilings(0);
-        b.ceiling_gbs = b.ceil.copy;
-        fprintf(stderr, "[bench] GPU: one checked call, then %d warm-up + %d timed iterations\n",
-                b.o.warmup, b.o.iters);
-        if (run_threads(&b, gpu_rank))
-            return 1;
-        fprintf(stderr, "[bench] verifying against the host backend (same inputs)\n");
-        if (run_threads(&b, host_rank))
-            return 1;
-        if (b.verify_bad) {
-            for (int r = 0; r < b.W; r++)
-                if (b.rd[r].err[0])
-                    fprintf(stderr, "hybridep bench: %s\n", b.rd[r].err);
-            fprintf(stderr, "hybridep bench: VERIFICATION FAILED on %d rank(s)\n", b.verify_bad);
-            return 1;
-        }
-        if (!b.o.as_json)
-            printf("verified against the host backend: every received row, probability%s, "
-                   "count and combined element equal on all %d ranks\n",
-                   b.esize == 1 ? ", scale" : "", b.W);
-    } else {
+    if (!b.rd)
+        return cli_fail("bench", 1, "out of host memory");
+    if (!b.o.as_json)
+        fprintf(stderr, "[bench] generating %s routing for %d ranks x %d tokens (seed %d)\n",
+                b.o.skew ? "skewed" : "uniform", b.W, b.o.T, b.o.seed);
+    if (make_routing(&b))
+        return cli_fail("bench", 1, "out of host memory for the inputs of %d ranks x %d tokens",
+                        b.W, b.o.T);
+    reached = experts_reached(&b);
+    if (b.o.dump) {
+        FILE *f = fopen(b.o.dump, "wb");
+        if (!f)
+            return cli_fail("bench", 2, "--dump-routing '%s' cannot be written: %s", b.o.dump,
+                            strerror(errno));
+        if ((rc = dump_routing(&b, f)))
+            return rc;
+    }
+    if (b.o.host) {
         double t0;
-        fprintf(stderr, "[bench] no GPU: timing the host backend (the reference implementation)\n");
+        if (!b.o.as_json)
+            fprintf(stderr, "[bench] no GPU: timing the host backend (the reference "
+                            "implementation)\n");
         b.ceiling_gbs = host_copy_ceiling();
         t0 = now_ms();
-        if (run_threads(&b, host_rank))
+        if (run_threads(&b, host_rank, "the host backend"))
             return 1;
-        hd = now_ms() - t0;
-        (void)hc;
+        memset(ph, 0, sizeof(ph));
+        ph[0].name = "host d+c";
+        ph[0].ms = now_ms() - t0;
+        for (int r = 0; r < b.W; r++) { /* the same fewest bytes as the GPU phases, summed */
+            double recv = b.rd[r].num_recv, t = b.rd[r].t;
+            ph[0].rows += recv;
+            ph[0].bytes += (recv + t) * b.o.H * (b.esize + 2) + t * b.o.K * 8 + recv * b.o.El * 4 +
+                           (b.esize == 1 ? (t + recv) * b.ns * 4 : 0);
+        }
+        if (!b.o.as_json)
+            report_text(&b, ph, 1, gpu_name, sm_count, reached);
+        return report_json(&b, ph, 1, gpu_name, reached, NULL, NULL);
     }
-    for (int r = 0; r < b.W; r++) {
-        recv += b.rd[r].num_recv;
-        in_rows += b.rd[r].t;
-        algd += (double)b.rd[r].num_recv * b.o.H * b.esize;
-        algc += (double)b.rd[r].num_recv * b.o.H * 2;
+    {
+        struct cudaDeviceProp p;
+        cudaError_t e = cudaGetDeviceProperties(&p, 0);
+        if (e != cudaSuccess)
+            return cli_fail("bench", 1, "cudaGetDeviceProperties: %s", cudaGetErrorString(e));
+        snprintf(gpu_name, sizeof(gpu_name), "%d x %s", b.o.gpus, p.name);
+        sm_count = p.multiProcessorCount;
     }
-    /* fewest bytes: each source row read once, each received row written once (+ routing,
-     * probabilities, scales); combine: each received row read once, each output written */
-    disp_bytes = in_rows * b.o.H * b.esize + recv * b.o.H * b.esize + in_rows * b.o.K * 8 +
-                 recv * b.o.El * 4 + (b.esize == 1 ? (in_rows + recv) * b.ns * 4 : 0);
-    comb_bytes = recv * b.o.H * 2 + in_rows * b.o.H * 2;
-    if (b.o.host) {
-        ph[0] = (phase_row){"host d+c", recv, disp_bytes + comb_bytes, hd, 0, 0, 0};
-        report(&b, ph, 1, gpu_name, sm_count, hd, hc);
-        return 0;
-    }
-    ph[0] = (phase_row){"preprocess", 0, 0, phase_ms(&b, 2), 0, 0, 0}; /* inside dispatch */
     if (!b.o.as_json)
+        fprintf(stderr, "[bench] measuring the device copy ceilings\n");
+    if (ceil_whole_gpu(0, &b.ceil, why, sizeof(why)))
+        return cli_fail("bench", 1, "the device copy ceiling: %s", why);
+    b.ceiling_gbs = b.ceil.copy;
+    if (b.o.sweep.n)
+        return sweep(&b, gpu_name, sm_count, reached);
+    if ((rc = gpu_run(&b, b.o.sms, ph)))
+        return rc;
+    if (!b.o.as_json) {
+        printf("verified against the host backend: every received row, probability%s, count "
+               "and combined element equal on all %d ranks\n",
+               b.esize == 1 ? ", scale" : "", b.W);
         printf("host launch skew across the %d rank threads (median, excluded below): %.1f us\n",
                b.W, phase_ms(&b, 3) * 1e3);
-    ph[1] = (phase_row){"dispatch", recv, disp_bytes, phase_ms(&b, 0), 0,
-                        in_rows * b.o.H * b.esize + in_rows * b.o.K * 8 +
-                            (b.esize == 1 ? in_rows * b.ns * 4 : 0),
-                        recv * b.o.H * b.esize + recv * b.o.El * 4 +
-                            (b.esize == 1 ? recv * b.ns * 4 : 0)};
-    ph[2] = (phase_row){"combine", recv, comb_bytes, phase_ms(&b, 1), 0, recv * b.o.H * 2,
-                        in_rows * b.o.H * 2};
-    ph[1].algbw_rank = algd / b.W / (ph[1].ms * 1e-3) / 1e9;
-    ph[2].algbw_rank = algc / b.W / (ph[2].ms * 1e-3) / 1e9;
-    report(&b, ph, 3, gpu_name, sm_count, 0, 0);
-    return 0;
+        report_text(&b, ph, 3, gpu_name, sm_count, reached);
+    }
+    return report_json(&b, ph, 3, gpu_name, reached, NULL, NULL);
 }

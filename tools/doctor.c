@@ -10,10 +10,9 @@
 #include <cuda_runtime_api.h>
 
 #include "cli.h"
+#include "hybridep/gpu_mr.h"
+#include "ibv_dl.h"
 #include "json.h"
-#include "kernels/kernels.h"
-#include "mr/mr.h"
-#include "sys/sys.h"
 
 #define MAX_GPUS 16
 #define MAX_NICS 16
@@ -88,10 +87,10 @@ static int peermem_loaded(void)
 
 static void collect_gpus(doctor *d)
 {
-    const hep_cu_table *cu = hep_cu();
     int n = 0;
     cudaError_t e;
-    d->driver = cu->driver_version;
+    if (cudaDriverGetVersion(&d->driver) != cudaSuccess)
+        d->driver = 0;
     cudaRuntimeGetVersion(&d->runtime);
     e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) {
@@ -105,7 +104,6 @@ static void collect_gpus(doctor *d)
     for (int i = 0; i < d->ngpus; i++) {
         doc_gpu *g = &d->gpu[i];
         struct cudaDeviceProp p;
-        int cudev = 0;
         if (cudaGetDeviceProperties(&p, i) != cudaSuccess)
             continue;
         snprintf(g->name, sizeof(g->name), "%s", p.name);
@@ -116,13 +114,15 @@ static void collect_gpus(doctor *d)
         snprintf(g->pci, sizeof(g->pci), "%04x:%02x:%02x.0", p.pciDomainID, p.pciBusID,
                  p.pciDeviceID);
         g->dmabuf = g->gdr = -1;
-        if (cu->loaded && cu->device_get(&cudev, i) == 0) {
-            if (cu->device_get_attribute(&g->dmabuf, 124, cudev) != 0)
-                g->dmabuf = -1;
-            if (cu->device_get_attribute(&g->gdr, 116, cudev) != 0)
-                g->gdr = -1;
-        }
-        g->kernels_ok = hep_kernels_probe(i, g->kernels, sizeof(g->kernels)) == 0;
+        /* CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED (124), ..._GPU_DIRECT_RDMA_SUPPORTED (116):
+         * the runtime's attributes carry the driver's numbers */
+        if (cudaDeviceGetAttribute(&g->dmabuf, (enum cudaDeviceAttr)124, i) != cudaSuccess)
+            g->dmabuf = -1;
+        if (cudaDeviceGetAttribute(&g->gdr, (enum cudaDeviceAttr)116, i) != cudaSuccess)
+            g->gdr = -1;
+        (void)cudaGetLastError();
+        g->kernels_ok = hep_gpu_probe(i) == HEP_OK;
+        snprintf(g->kernels, sizeof(g->kernels), "%s", g->kernels_ok ? "run" : hep_last_error());
         for (int j = 0; j < d->ngpus; j++) {
             int can = 0;
             if (i != j && cudaDeviceCanAccessPeer(&can, i, j) == cudaSuccess)
@@ -158,7 +158,7 @@ static void collect_gids(const char *dev, doc_port *p, int tbl_len)
     }
 }
 
-static void collect_nic(const hep_ibv_table *t, struct ibv_device *dev, doc_nic *n)
+static void collect_nic(const doc_ibv *t, struct ibv_device *dev, doc_nic *n)
 {
     struct ibv_device_attr da;
     struct ibv_context *ctx;
@@ -178,7 +178,7 @@ static void collect_nic(const hep_ibv_table *t, struct ibv_device *dev, doc_nic 
             struct ibv_port_attr pa;
             doc_port *dp = &n->port[p];
             dp->num = p + 1;
-            if (hep_ibv_query_port(ctx, (uint8_t)(p + 1), &pa) != 0) {
+            if (doc_ibv_query_port(t, ctx, (uint8_t)(p + 1), &pa) != 0) {
                 snprintf(dp->state, sizeof(dp->state), "query failed");
                 continue;
             }
@@ -194,7 +194,7 @@ static void collect_nic(const hep_ibv_table *t, struct ibv_device *dev, doc_nic 
 }
 
 /* Register a small real cudaMalloc buffer on each path, one policy at a time. */
-static void probe_pair(const hep_ibv_table *t, struct ibv_device *dev, doc_pair *pr)
+static void probe_pair(const doc_ibv *t, struct ibv_device *dev, doc_pair *pr)
 {
     struct ibv_context *ctx = t->open_device(dev);
     struct ibv_pd *pd = ctx ? t->alloc_pd(ctx) : NULL;
@@ -217,11 +217,11 @@ static void probe_pair(const hep_ibv_table *t, struct ibv_device *dev, doc_pair 
         memcpy(pr->dmabuf, pr->legacy, sizeof(pr->dmabuf));
         goto out;
     }
-    pr->legacy_ok = hep_gpu_mr_register_mode(NULL, HEP_MR_MODE_LEGACY, pd, pr->gpu, buf, 3696,
+    pr->legacy_ok = hep_gpu_mr_register_path(NULL, HEP_MR_LEGACY, pd, pr->gpu, buf, 3696,
                                              access, "doctor.probe", &mr) == HEP_OK;
     snprintf(pr->legacy, sizeof(pr->legacy), "%s", pr->legacy_ok ? "works" : hep_last_error());
     hep_gpu_mr_deregister(&mr);
-    pr->dmabuf_ok = hep_gpu_mr_register_mode(NULL, HEP_MR_MODE_DMABUF, pd, pr->gpu, buf, 3696,
+    pr->dmabuf_ok = hep_gpu_mr_register_path(NULL, HEP_MR_DMABUF, pd, pr->gpu, buf, 3696,
                                              access, "doctor.probe", &mr) == HEP_OK;
     snprintf(pr->dmabuf, sizeof(pr->dmabuf), "%s", pr->dmabuf_ok ? "works" : hep_last_error());
     hep_gpu_mr_deregister(&mr);
@@ -236,15 +236,11 @@ out:
 
 static void collect_nics(doctor *d)
 {
-    const hep_ibv_table *t = hep_ibv();
+    const doc_ibv *t = doc_ibv_get();
     struct ibv_device **list;
     int n = 0;
     if (!t->loaded) {
-        snprintf(d->nic_error, sizeof(d->nic_error), "%s", t->load_error);
-        return;
-    }
-    if (hep_ibv_require(t->get_device_list, "ibv_get_device_list") != HEP_OK) {
-        snprintf(d->nic_error, sizeof(d->nic_error), "%s", hep_last_error());
+        snprintf(d->nic_error, sizeof(d->nic_error), "%s", t->error);
         return;
     }
     list = t->get_device_list(&n);
@@ -282,6 +278,8 @@ static void print_limit(FILE *f, rlim_t v)
 static void print_text(const doctor *d)
 {
     printf("hybridep doctor\n");
+    printf("hybridep     : library %s, %s\n", hep_version(),
+           hep_has_gpu_backend() ? "GPU kernels built in" : "host backend only (built without CUDA)");
     printf("CUDA driver  : %s", d->driver ? "" : "none");
     if (d->driver)
         printf("%d.%d", d->driver / 1000, (d->driver % 1000) / 10);
@@ -344,6 +342,8 @@ static void print_json(const doctor *d)
     hep_json j;
     json_begin(&j, stdout);
     json_obj(&j, NULL);
+    json_str(&j, "hybridep_version", hep_version());
+    json_bool(&j, "gpu_backend_built", hep_has_gpu_backend());
     json_int(&j, "cuda_driver_version", d->driver);
     json_int(&j, "cuda_runtime_version", d->runtime);
     json_str(&j, "gpu_error", d->ngpus ? NULL : d->gpu_error);
@@ -426,13 +426,15 @@ static void print_json(const doctor *d)
 int hep_cmd_doctor(int argc, char **argv)
 {
     static doctor d; /* large: keep it off the stack */
-    int as_json = 0;
-    for (int i = 0; i < argc; i++) {
-        if (strcmp(argv[i], "--json") == 0)
-            as_json = 1;
-        else
-            return cli_usage_error("doctor", argv[i]);
-    }
+    int as_json = 0, rc;
+    const cli_opt opts[] = {
+        {"json", CLI_FLAG, &as_json, 0, 0, NULL, NULL, "one JSON document on stdout"},
+    };
+    const cli_cmd cmd = {"doctor", "what this machine offers to hybridep: GPUs, P2P, RDMA "
+                                   "devices, which GPU memory registration path works",
+                         opts, 1, "Exits 0 with no GPU or no NIC (and says so)."};
+    if ((rc = cli_parse(&cmd, argc, argv)))
+        return rc < 0 ? 0 : rc;
     memset(&d, 0, sizeof(d));
     collect_gpus(&d);
     d.peermem = peermem_loaded();

@@ -69,6 +69,13 @@ typedef struct hep_gpu_mr {
 int hep_gpu_mr_register(const hep_gpu_mr_ops *ops, struct ibv_pd *pd, int cuda_device, void *addr,
                         size_t len, int access, const char *name, hep_gpu_mr *out);
 
+/* hep_gpu_mr_register on one path only, whatever HEP_GPU_MR_MODE says: HEP_MR_LEGACY
+ * (ibv_reg_mr, no fallback) or HEP_MR_DMABUF (the export and ibv_reg_dmabuf_mr, no
+ * ibv_reg_mr first). For diagnostics that test each path on its own. */
+int hep_gpu_mr_register_path(const hep_gpu_mr_ops *ops, hep_mr_path path, struct ibv_pd *pd,
+                             int cuda_device, void *addr, size_t len, int access,
+                             const char *name, hep_gpu_mr *out);
+
 /* Release a registration made by hep_gpu_mr_register (one dereg_mr call). A zeroed or
  * already released struct is accepted and returns 0. On failure returns HEP_ERR_VERBS with
  * a message; the struct is cleared either way. */

@@ -17,6 +17,7 @@
 
 #include "hybridep/bootstrap.h"
 #include "hybridep/status.h"
+#include "hybridep/version.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -95,6 +96,11 @@ typedef struct hep_group_info {
     const char *transport;      /* "none" (N = 1), "loopback" or "verbs" */
 } hep_group_info;
 int hep_group_get_info(const hep_group *g, hep_group_info *info);
+
+/* Whether this library's GPU kernels run on CUDA device `cuda_device` (launches a tiny
+ * kernel and checks its answer). 0, or HEP_ERR_UNAVAILABLE (no CUDA in this build, no
+ * such device, or the kernels were not built for its architecture) with the reason. */
+int hep_gpu_probe(int cuda_device);
 
 /* ---------------------------------------------------------------- dispatch / combine
  *
@@ -175,6 +181,62 @@ void *hep_combine_input(hep_group *g);
 
 /* Wait for `stream` and report the first error of an HEP_ASYNC call (0 if none). */
 int hep_group_sync(hep_group *g, void *stream);
+
+/* ---------------------------------------------------------------- statistics */
+
+/* What a group did, for benchmarks and monitoring. Counters run from group creation. */
+typedef struct hep_group_stats {
+    /* Inter-node (N > 1): what this rank's CPU proxy posted to other nodes, summed over
+     * the peers; all zero with one node. */
+    uint64_t net_bytes;            /* payload bytes (rows, routing, scales, partial sums;
+                                      counts and flags excluded) */
+    uint64_t net_data_writes;      /* data work requests */
+    uint64_t net_flag_writes;      /* flag work requests */
+    uint64_t net_flags_done;       /* flag writes completed ... */
+    uint64_t net_ready_to_flag_ns; /* ... and for them the sum of the times from the slot
+                                      seen complete to its flag's completion */
+    /* GPU backend: the last dispatch's device timer (%globaltimer, ns), valid once its
+     * stream has passed it; 0 when unknown (host backend). */
+    uint64_t dispatch_start_ns;    /* the dispatch kernel started */
+    uint64_t layout_ready_ns;      /* its layout step (routing scan) was done */
+    char transport[32];            /* the NIC: "none" (N = 1), "loopback" or the device */
+} hep_group_stats;
+
+/* Fill *s for this rank. 0, or HEP_ERR_INVALID for NULL arguments. */
+int hep_group_get_stats(const hep_group *g, hep_group_stats *s);
+
+/* ---------------------------------------------------------------- the buffer plan */
+
+#define HEP_PLAN_MAX_BUFFERS 64
+#define HEP_PLAN_MAX_ARENAS 8
+
+typedef struct hep_plan_buffer_info {
+    const char *name;              /* e.g. "dispatch.attn_input_token" */
+    const char *role;              /* "dispatch", "combine" or "both" */
+    const char *elem;              /* "bf16", "fp8", "f32", "i32", "u64", "byte" */
+    const char *memory;            /* the arena it lives in (arenas[].name) */
+    const char *shares_bytes_with; /* the buffer whose bytes it reuses, or NULL */
+    size_t count, bytes, align, offset; /* offset within its arena */
+    int rdma_registered;           /* registered through hep_gpu_mr_register (N > 1) */
+} hep_plan_buffer_info;
+
+typedef struct hep_plan_info {
+    int nodes, ranks_per_node, world;
+    size_t max_recv_rows;          /* capacity of the dispatch outputs, rows */
+    size_t device_bytes, host_bytes; /* per rank, GPU backend */
+    int num_buffers;               /* the buffers this configuration needs */
+    hep_plan_buffer_info buffers[HEP_PLAN_MAX_BUFFERS];
+    int num_arenas;                /* one allocation per memory kind */
+    struct {
+        const char *name;
+        size_t bytes;
+    } arenas[HEP_PLAN_MAX_ARENAS];
+} hep_plan_info;
+
+/* The buffers a group of `nodes` x `ranks_per_node` ranks with configuration *cfg would
+ * allocate on each rank, computed without allocating (cfg->ranks_per_node is ignored).
+ * The strings are static. 0, or HEP_ERR_INVALID naming the field and its limits. */
+int hep_plan_query(const hep_config *cfg, int nodes, int ranks_per_node, hep_plan_info *out);
 
 #ifdef __cplusplus
 }

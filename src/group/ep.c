@@ -386,3 +386,24 @@ void *hep_combine_input(hep_group *g)
 {
     return g ? hep_my_buf(g, HEP_BUF_TOKEN_X) : NULL;
 }
+
+/* The GPU half of hep_group_get_stats: the last dispatch's device timestamps and what the
+ * proxy posted. One place, so that where the kernels keep their record can change. */
+void hep_ep_fill_stats(const hep_group *g, hep_group_stats *s)
+{
+    hep_proxy_peer_stats x;
+    for (int p = 0; g->proxy && p < g->world; p++) {
+        hep_proxy_stats(g->proxy, p, &x);
+        s->net_bytes += x.bytes;
+        s->net_data_writes += x.data_wrs;
+        s->net_flag_writes += x.flag_wrs;
+        s->net_flags_done += x.flags_done;
+        s->net_ready_to_flag_ns += x.ready_to_flag_ns;
+    }
+    if (g->cfg.backend == HEP_BACKEND_GPU && g->arena[HEP_ARENA_MAPPED]) {
+        const hep_diag *d =
+            (const hep_diag *)(g->arena[HEP_ARENA_MAPPED] + g->plan.buf[HEP_BUF_DIAG].offset);
+        s->dispatch_start_ns = d->t_start;
+        s->layout_ready_ns = d->t_layout;
+    }
+}

@@ -307,6 +307,13 @@ static int fill_card(hep_group *g, rank_card *c)
         snprintf(c->host, sizeof(c->host), "unknown");
     c->pid = (int)getpid();
     c->device = g->device;
+#ifdef HEP_NO_CUDA
+    if (g->cfg.backend == HEP_BACKEND_GPU)
+        return hep_fail(HEP_ERR_UNAVAILABLE,
+                        "the GPU backend is not in this build of hybridep: it was configured "
+                        "without a CUDA toolkit (nvcc 12.8 or newer), so the GPU kernels were "
+                        "left out; use HEP_BACKEND_HOST or rebuild with CUDA");
+#endif
     if (g->cfg.backend == HEP_BACKEND_GPU) {
         cudaError_t e = cudaSetDevice(g->device);
         if (e == cudaSuccess)

@@ -55,6 +55,8 @@ int hep_ep_setup(hep_group *g);    /* after the arenas and peers exist */
 /* The result's pointers into this rank's buffers (num_recv = -1, handle 0). */
 void hep_fill_dispatch_result(hep_group *g, hep_dispatch_result *o);
 void hep_ep_teardown(hep_group *g);
+/* The proxy's counters and the last dispatch's device timestamps (hep_group_get_stats). */
+void hep_ep_fill_stats(const hep_group *g, hep_group_stats *s);
 /* ref/host_backend.c: the host backend's halves of dispatch and combine */
 int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *out);
 int hep_host_combine(hep_group *g, const hep_combine_args *a);

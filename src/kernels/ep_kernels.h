@@ -145,9 +145,6 @@ int hep_launch_copy_in(const hep_kargs *a, int blocks, void *stream);
 /* N > 1: pack this rank's tokens into the send staging of each node that needs them and
  * publish each block's rows to the proxy (runs before hep_launch_dispatch). */
 int hep_launch_node_pack(const hep_kargs *a, int blocks, void *stream);
-/* Read `bytes` (a multiple of 16) once, streaming: the bench's read ceiling. */
-int hep_launch_read_ceiling(const void *p, size_t bytes, unsigned *sink, int blocks,
-                            void *stream);
 /* Load every kernel now (lazy loading inside co-dependent kernels can deadlock). */
 int hep_kernels_preload(void);
 /* Bytes of dynamic shared memory the dispatch kernel needs for R ranks, El experts. */

@@ -138,6 +138,18 @@ int hep_gpu_mr_register(const hep_gpu_mr_ops *ops, struct ibv_pd *pd, int cuda_d
                                     access, name, out);
 }
 
+int hep_gpu_mr_register_path(const hep_gpu_mr_ops *ops, hep_mr_path path, struct ibv_pd *pd,
+                             int cuda_device, void *addr, size_t len, int access,
+                             const char *name, hep_gpu_mr *out)
+{
+    if (path != HEP_MR_LEGACY && path != HEP_MR_DMABUF)
+        return hep_fail(HEP_ERR_INVALID, "hep_gpu_mr_register_path: path %d is not "
+                        "HEP_MR_LEGACY or HEP_MR_DMABUF", (int)path);
+    return hep_gpu_mr_register_mode(ops, path == HEP_MR_LEGACY ? HEP_MR_MODE_LEGACY
+                                                               : HEP_MR_MODE_DMABUF,
+                                    pd, cuda_device, addr, len, access, name, out);
+}
+
 int hep_gpu_mr_register_mode(const hep_gpu_mr_ops *ops, int mode, struct ibv_pd *pd,
                              int cuda_device, void *addr, size_t len, int access, const char *name,
                              hep_gpu_mr *out)

@@ -1,0 +1,193 @@
+// tools/ceilings.cu: the bench's yardsticks, measured in the same run as the phases.
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <cuda_runtime.h>
+
+#include "ceilings.h"
+
+#define CK(x)                                                                                  \
+    do {                                                                                       \
+        cudaError_t e_ = (x);                                                                  \
+        if (e_ != cudaSuccess) {                                                               \
+            snprintf(why, why_len, "%s: %s", #x, cudaGetErrorString(e_));                      \
+            goto out;                                                                          \
+        }                                                                                      \
+    } while (0)
+
+// A streaming read of n 16-byte vectors: every byte read once.
+__global__ void k_read(const uint4 *p, size_t n, unsigned *sink)
+{
+    uint4 acc = make_uint4(0, 0, 0, 0);
+    for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < n;
+         k += (size_t)gridDim.x * blockDim.x) {
+        uint4 v = __ldcs(p + k);
+        acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
+    }
+    if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9e3779b9u) // keeps the loads; almost never true
+        atomicAdd(sink, 1u);
+}
+
+// The plain copy a phase is compared with: a warp per row, eight 16-byte loads in flight per
+// lane before the stores, rows spread over all warps of the grid.
+__global__ void __launch_bounds__(1024) k_copy_rows(const uint4 *src, uint4 *dst, size_t rows,
+                                                    size_t vec_per_row)
+{
+    const unsigned lane = threadIdx.x & 31u;
+    const size_t nwarps = ((size_t)gridDim.x * blockDim.x) >> 5;
+    for (size_t r = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += nwarps) {
+        const uint4 *s = src + r * vec_per_row;
+        uint4 *d = dst + r * vec_per_row;
+        for (size_t v = lane; v < vec_per_row; v += 32 * 8) {
+            uint4 x[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++)
+                if (v + (size_t)u * 32 < vec_per_row)
+                    x[u] = __ldcs(s + v + (size_t)u * 32);
+#pragma unroll
+            for (int u = 0; u < 8; u++)
+                if (v + (size_t)u * 32 < vec_per_row)
+                    __stcs(d + v + (size_t)u * 32, x[u]);
+        }
+    }
+}
+
+static int cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+extern "C" int ceil_sm_count(int device, char *why, size_t why_len)
+{
+    int sms = -1;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return sms;
+out:
+    return -1;
+}
+
+// op 0: D2D memcpy, 1: memset, 2: read kernel; median of 11 runs after a warm-up.
+static int time_op(int op, void *a, void *c, size_t bytes, unsigned *sink, int sms,
+                   cudaStream_t st, double *ms_out, char *why, size_t why_len)
+{
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    double t[11];
+    int rc = -1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    for (int k = -1; k < 11; k++) {
+        float ms = 0;
+        CK(cudaEventRecord(e0, st));
+        if (op == 0)
+            CK(cudaMemcpyAsync(c, a, bytes, cudaMemcpyDeviceToDevice, st));
+        else if (op == 1)
+            CK(cudaMemsetAsync(c, k & 0xff, bytes, st));
+        else {
+            k_read<<<sms * 4, 512, 0, st>>>((const uint4 *)a, bytes / 16, sink);
+            CK(cudaGetLastError());
+        }
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (k >= 0)
+            t[k] = ms;
+    }
+    qsort(t, 11, sizeof(double), cmp_d);
+    *ms_out = t[5];
+    rc = 0;
+out:
+    if (e0)
+        cudaEventDestroy(e0);
+    if (e1)
+        cudaEventDestroy(e1);
+    return rc;
+}
+
+extern "C" int ceil_whole_gpu(int device, bench_ceilings *r, char *why, size_t why_len)
+{
+    const size_t bytes = (size_t)2 << 30;
+    void *a = NULL, *c = NULL;
+    unsigned *sink = NULL;
+    cudaStream_t st = NULL;
+    double ms[3];
+    int sms = 0, rc = -1;
+    CK(cudaSetDevice(device));
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    CK(cudaMalloc(&a, bytes));
+    CK(cudaMalloc(&c, bytes));
+    CK(cudaMalloc((void **)&sink, 4));
+    CK(cudaMemsetAsync(a, 1, bytes, st));
+    for (int op = 0; op < 3; op++)
+        if (time_op(op, a, c, bytes, sink, sms, st, &ms[op], why, why_len))
+            goto out;
+    r->copy = 2.0 * (double)bytes / (ms[0] * 1e-3) / 1e9;
+    r->write = (double)bytes / (ms[1] * 1e-3) / 1e9;
+    r->read = (double)bytes / (ms[2] * 1e-3) / 1e9;
+    rc = 0;
+out:
+    if (a)
+        cudaFree(a);
+    if (c)
+        cudaFree(c);
+    if (sink)
+        cudaFree(sink);
+    if (st)
+        cudaStreamDestroy(st);
+    return rc;
+}
+
+extern "C" int ceil_same_sm_copy(int device, int blocks, size_t rows, size_t row_bytes, int iters,
+                                 double *ms_out, char *why, size_t why_len)
+{
+    void *a = NULL, *c = NULL;
+    cudaStream_t st = NULL;
+    cudaEvent_t e0 = NULL, e1 = NULL;
+    double *t = NULL;
+    int rc = -1;
+    if (row_bytes % 16 || rows == 0 || blocks < 1 || iters < 1) {
+        snprintf(why, why_len, "same-SM copy: %zu rows of %zu bytes (a multiple of 16), %d "
+                 "blocks, %d iterations", rows, row_bytes, blocks, iters);
+        return -1;
+    }
+    t = (double *)malloc(sizeof(double) * (size_t)iters);
+    if (!t) {
+        snprintf(why, why_len, "same-SM copy: out of host memory");
+        return -1;
+    }
+    CK(cudaSetDevice(device));
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    CK(cudaMalloc(&a, rows * row_bytes));
+    CK(cudaMalloc(&c, rows * row_bytes));
+    CK(cudaMemsetAsync(a, 1, rows * row_bytes, st));
+    for (int k = -1; k < iters; k++) {
+        float ms = 0;
+        CK(cudaEventRecord(e0, st));
+        k_copy_rows<<<blocks, 1024, 0, st>>>((const uint4 *)a, (uint4 *)c, rows, row_bytes / 16);
+        CK(cudaGetLastError());
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (k >= 0)
+            t[k] = ms;
+    }
+    qsort(t, (size_t)iters, sizeof(double), cmp_d);
+    *ms_out = t[iters / 2];
+    rc = 0;
+out:
+    free(t);
+    if (a)
+        cudaFree(a);
+    if (c)
+        cudaFree(c);
+    if (e0)
+        cudaEventDestroy(e0);
+    if (e1)
+        cudaEventDestroy(e1);
+    if (st)
+        cudaStreamDestroy(st);
+    return rc;
+}
