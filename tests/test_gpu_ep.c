@@ -527,6 +527,45 @@ static void gpu_virtual_nodes_refuse_graph_capture_with_the_reason(void **state)
     }
 }
 
+/* Two ranks of one node as threads of this process: the legacy default stream would queue
+ * their co-dependent kernels behind each other; dispatch and combine refuse it up front. */
+static int legacy_stream_rank(rank_ctx *r)
+{
+    hep_config c = gcfg(256, 16, 2, 2, HEP_DTYPE_BF16, 2);
+    hep_group *g = NULL;
+    hep_dispatch_args da;
+    hep_dispatch_result dr;
+    hep_combine_args ca;
+    int rc, rc2;
+    cudaSetDevice(0);
+    if ((rc = hep_group_create(&c, &r->bs, 0, &g)))
+        return rc;
+    memset(&da, 0, sizeof(da));
+    da.topk = 2; /* num_tokens 0, stream NULL */
+    rc = hep_dispatch(g, &da, &dr);
+    snprintf(r->err, sizeof(r->err), "%s", rc ? hep_last_error() : "");
+    memset(&ca, 0, sizeof(ca));
+    ca.handle = 1;
+    ca.stream = (void *)cudaStreamLegacy;
+    rc2 = hep_combine(g, &ca);
+    hep_group_destroy(g);
+    return rc == HEP_ERR_INVALID && rc2 == HEP_ERR_INVALID ? 0 : -1;
+}
+
+static void gpu_ranks_of_one_process_refuse_the_legacy_default_stream(void **state)
+{
+    rank_ctx ctx[2];
+    (void)state;
+    if (!have_gpu())
+        skip();
+    assert_int_equal(run_ranks(2, legacy_stream_rank, NULL, ctx), 0);
+    for (int r = 0; r < 2; r++) {
+        print_message("rank %d: %s\n", r, ctx[r].err);
+        assert_int_equal(ctx[r].rc, 0);
+        assert_non_null(strstr(ctx[r].err, "legacy default stream"));
+    }
+}
+
 static void gpu_real_dmabuf_export_of_odd_sizes_covers_enclosing_pages(void **state)
 {
     const hep_gpu_mr_ops *real = hep_gpu_mr_real_ops();
@@ -713,11 +752,18 @@ static int gpu_fault_rank(rank_ctx *r)
     void *x = NULL, *y = NULL;
     int idx[64], rc;
     float w[64];
+    cudaStream_t st = NULL;
     c.backend = HEP_BACKEND_GPU;
     cudaSetDevice(0);
+    /* a stream of its own: on the legacy default stream the ranks' kernels would queue
+     * behind each other (the library refuses it) */
+    if (cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess)
+        return HEP_ERR_CUDA;
     rc = hep_group_create_ex(&c, &r->bs, 0, &hooks, &g);
-    if (rc)
+    if (rc) {
+        cudaStreamDestroy(st);
         return rc;
+    }
     if (r->rank != f->early) {
         cudaMalloc(&x, 32 * FAULT_H * 2);
         cudaMalloc(&y, 32 * FAULT_H * 2);
@@ -736,11 +782,12 @@ static int gpu_fault_rank(rank_ctx *r)
             da.topk_idx = didx;
             da.topk = 2;
             da.topk_weights = dw;
+            da.stream = st;
             if (r->rank == f->delay_rank)
                 usleep(200 * 1000); /* later than a wrapped bound, far inside a capped one */
             f->rc_dispatch[r->rank] = hep_dispatch(g, &da, &dr);
             if (f->rc_dispatch[r->rank] == HEP_OK) {
-                hep_combine_args ca = {dr.handle, hep_combine_input(g), y, NULL, 0};
+                hep_combine_args ca = {dr.handle, hep_combine_input(g), y, st, 0};
                 f->rc_combine[r->rank] = hep_combine(g, &ca);
             }
             snprintf(f->msg[r->rank], sizeof(f->msg[0]), "%s", hep_last_error());
@@ -753,6 +800,7 @@ static int gpu_fault_rank(rank_ctx *r)
     f->rc_destroy[r->rank] = hep_group_destroy(g);
     if (f->rc_destroy[r->rank])
         snprintf(f->msg[r->rank], sizeof(f->msg[0]), "%s", hep_last_error());
+    cudaStreamDestroy(st);
     return 0;
 }
 
@@ -831,6 +879,7 @@ int main(void)
         cmocka_unit_test(gpu_dispatch_times_out_naming_the_rank_that_never_called),
         cmocka_unit_test(gpu_virtual_nodes_time_out_naming_the_missing_rank_on_every_rank),
         cmocka_unit_test(gpu_virtual_nodes_refuse_graph_capture_with_the_reason),
+        cmocka_unit_test(gpu_ranks_of_one_process_refuse_the_legacy_default_stream),
         cmocka_unit_test(gpu_real_dmabuf_export_of_odd_sizes_covers_enclosing_pages),
         cmocka_unit_test(gpu_two_virtual_nodes_register_device_buffers_through_real_dmabuf),
         cmocka_unit_test(gpu_create_destroy_100_times_leaks_no_device_memory_fd_or_thread),

@@ -4,8 +4,8 @@ Pure Python over the C library (libhybridep.so, through ctypes): one package for
 torch version. `Buffer` is one EP group over a torch.distributed group; `autograd` pairs
 dispatch and combine as each other's backward; `compat.HybridEPBuffer` takes HybridEP's
 constructor and call signatures."""
-from ._lib import HybridEPError, path as library_path
+from ._lib import HybridEPError, HybridEPWarning, path as library_path
 from .buffer import Buffer, Handle
 
-__all__ = ["Buffer", "Handle", "HybridEPError", "library_path"]
+__all__ = ["Buffer", "Handle", "HybridEPError", "HybridEPWarning", "library_path"]
 __version__ = "0.1.0"

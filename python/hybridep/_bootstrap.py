@@ -76,7 +76,7 @@ class TorchBootstrap:
 
     def _fail(self, status, text):
         self.error = text
-        _lib.set_error(text)
+        _lib.set_error(text, status)
         return status
 
     def _allgather(self, ctx, send, recv, nbytes):

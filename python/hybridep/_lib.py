@@ -17,6 +17,7 @@ STATUS_NAMES = {
     0: "HEP_OK", 1: "HEP_ERR_INVALID", 2: "HEP_ERR_NOMEM", 3: "HEP_ERR_UNAVAILABLE",
     4: "HEP_ERR_CUDA", 5: "HEP_ERR_VERBS", 6: "HEP_ERR_TIMEOUT", 7: "HEP_ERR_MISMATCH",
     8: "HEP_ERR_BOOTSTRAP", 9: "HEP_ERR_REMOTE", 10: "HEP_ERR_INTERNAL",
+    11: "HEP_WARN_IGNORED",
 }
 globals().update({v: k for k, v in STATUS_NAMES.items()})
 
@@ -38,6 +39,12 @@ class HybridEPError(RuntimeError):
         self.message = message
         prefix = "%s: " % call if call else ""
         super().__init__("%s%s: %s" % (prefix, self.status_name, message))
+
+
+class HybridEPWarning(UserWarning):
+    """A hybridep call completed but ignored part of its input (HEP_WARN_IGNORED: an expert
+    id out of range, its slot ignored); the message names it. The call's outputs are valid
+    and the collective step happened: combine follows as usual."""
 
 
 class Config(ctypes.Structure):
@@ -133,25 +140,30 @@ _declare("hep_combine", ctypes.c_int, ctypes.c_void_p, P(CombineArgs))
 _declare("hep_combine_input", ctypes.c_void_p, ctypes.c_void_p)
 _declare("hep_group_sync", ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 
-# Setting the error message from a bootstrap callback: hep_set_last_error is the public
-# call (hybridep/status.h); until a library has it, the internal hep_set_error_text of the
-# same library (exported with every hep_ symbol) does the same.
-_set_text = getattr(lib, "hep_set_last_error", None) or getattr(lib, "hep_set_error_text", None)
+# Setting the error message from a bootstrap callback: hep_set_last_error(status, fmt, ...)
+# (hybridep/status.h), called with the format "%s" so that the text is never a format.
+_set_text = getattr(lib, "hep_set_last_error", None)
 if _set_text is not None:
-    _set_text.restype = None
-    _set_text.argtypes = [ctypes.c_char_p]
+    _set_text.restype = ctypes.c_int
 
 
 def last_error():
     return (lib.hep_last_error() or b"").decode("utf-8", "replace")
 
 
-def set_error(text):
+def set_error(text, status=8):
     """Make `text` this thread's hep_last_error() (inside a bootstrap callback)."""
     if _set_text is not None:
-        _set_text(text.encode("utf-8", "replace")[:2000])
+        _set_text(ctypes.c_int(status), ctypes.c_char_p(b"%s"),
+                  ctypes.c_char_p(text.encode("utf-8", "replace")[:2000]))
 
 
 def check(rc, call=""):
-    if rc != HEP_OK:
+    """HEP_OK: nothing. HEP_WARN_IGNORED: a HybridEPWarning (the call completed). Any
+    HEP_ERR_*: a HybridEPError (the call did nothing)."""
+    if rc == HEP_WARN_IGNORED:
+        import warnings
+        warnings.warn(HybridEPWarning("%s: %s" % (call, last_error()) if call else last_error()),
+                      stacklevel=3)
+    elif rc != HEP_OK:
         raise HybridEPError(rc, last_error(), call)

@@ -143,6 +143,22 @@ static int check_ptr(const void *p, size_t align, const char *what)
     return HEP_OK;
 }
 
+/* Node-mates that are threads of one process on one GPU run co-dependent kernels: on the
+ * legacy default stream (NULL or cudaStreamLegacy) those kernels queue behind each other
+ * and every wait runs into the timeout, so that stream is refused with the reason. */
+static int check_stream(const hep_group *g, void *stream, const char *call)
+{
+    if (g->cfg.backend != HEP_BACKEND_GPU || g->R < 2 || !g->mates_one_process ||
+        (stream != NULL && stream != (void *)cudaStreamLegacy))
+        return HEP_OK;
+    return hep_fail(HEP_ERR_INVALID,
+                    "%s: stream is the legacy default stream, but the %d ranks of this node are "
+                    "threads of one process: their kernels wait for each other and would queue "
+                    "behind each other on it; give each rank a stream of its own "
+                    "(cudaStreamCreateWithFlags(..., cudaStreamNonBlocking))",
+                    call, g->R);
+}
+
 static int check_dispatch(const hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *o)
 {
     int rc;
@@ -157,6 +173,8 @@ static int check_dispatch(const hep_group *g, const hep_dispatch_args *a, hep_di
     if (a->topk < 1 || a->topk > g->cfg.max_topk)
         return hep_fail(HEP_ERR_INVALID, "hep_dispatch: topk = %d is not in 1..%d (max_topk)",
                         a->topk, g->cfg.max_topk);
+    if ((rc = check_stream(g, a->stream, "hep_dispatch")))
+        return rc;
     if (a->index_type != HEP_INDEX_INT32 && a->index_type != HEP_INDEX_INT64)
         return hep_fail(HEP_ERR_INVALID, "hep_dispatch: index_type %d is not int32 or int64",
                         (int)a->index_type);
@@ -356,6 +374,8 @@ int hep_combine(hep_group *g, const hep_combine_args *a)
                         "hep_combine: handle 0x%llx is not this group's last dispatch's (0x%llx): "
                         "combine follows its dispatch, once, on the same group",
                         (unsigned long long)a->handle, (unsigned long long)g->last_handle);
+    if ((rc = check_stream(g, a->stream, "hep_combine")))
+        return rc;
     if (g->last_t > 0 && ((rc = check_ptr(a->out, 16, "hep_combine: out")) ||
                           (rc = check_ptr(a->expert_out, 16, "hep_combine: expert_out"))))
         return rc;

@@ -160,6 +160,17 @@ static int mates_share_gpu(const hep_group *g, const rank_card *cards)
     return 1;
 }
 
+/* 1 when every node-mate is a thread of this process. */
+static int mates_in_process(const hep_group *g, const rank_card *cards)
+{
+    for (int l = 0; l < g->R; l++) {
+        const rank_card *c = &cards[g->node * g->R + l];
+        if (strcmp(c->host, cards[g->rank].host) || c->pid != cards[g->rank].pid)
+            return 0;
+    }
+    return 1;
+}
+
 static int cuda_fail(cudaError_t e, const char *what, size_t bytes)
 {
     int st = e == cudaErrorMemoryAllocation ? HEP_ERR_NOMEM : HEP_ERR_CUDA;
@@ -441,6 +452,8 @@ int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda
             rc = check_sm_budget(g, cards);
         if (rc == HEP_OK)
             g->mates_one_gpu = mates_share_gpu(g, cards);
+        if (rc == HEP_OK)
+            g->mates_one_process = mates_in_process(g, cards);
         /* 2. this rank's memory (host backend across processes: in shared memory) */
         if (rc == HEP_OK && g->cfg.backend == HEP_BACKEND_HOST && !all_on_one_host(cards, g->world))
             rc = hep_shm_create(g);

@@ -29,6 +29,7 @@ struct hep_group {
     int device;
     int rank, world, R, N, node, local;
     int mates_one_gpu;              /* every node-mate drives this rank's GPU */
+    int mates_one_process;          /* every node-mate is a thread of this process */
     hep_plan plan;
     char *arena[HEP_ARENA_COUNT];   /* this rank's arenas (device or host addresses) */
     char *mapped_dev;               /* device address of the mapped arena */

@@ -13,7 +13,7 @@
 #define GRAB 2 /* own tokens a warp takes at a time */
 #endif
 #ifndef COMBINE_THREADS
-#define COMBINE_THREADS 384
+#define COMBINE_THREADS 512
 #endif
 #ifdef HEP_STREAMING_LOADS
 #define LD_ROW(p) __ldcs(p)
@@ -125,7 +125,7 @@ __device__ __forceinline__ void sum_rows(const row_set &rs, const char *const *s
 // One warp copies a token's single row: starting from -0.0, its f32 sum is the row itself,
 // bit for bit, so a copy is the same result, with CV vectors a lane in flight.
 #ifndef CV
-#define CV 14
+#define CV 8
 #endif
 __device__ __forceinline__ void copy_row(const uint4 *src, uint4 *out, size_t rb)
 {
@@ -151,9 +151,9 @@ __device__ __forceinline__ void copy_row(const uint4 *src, uint4 *out, size_t rb
 }
 
 // One warp: the row `out` = f32 sum over the node-mates holding token i of list L, then
-// (parts != NULL, own tokens) plus each other node's partial sum of it. The shape of the
-// passes follows the number of rows: one row gets deep passes, many rows get wide ones,
-// so that about 8 KB a warp are in flight either way.
+// (parts != NULL, own tokens) plus each other node's partial sum of it. A single row is
+// copied (CV vectors a lane in flight); several rows are summed two at a time, four
+// vectors a lane each (bench/NOTES.md has the shapes tried; these fit 128 registers).
 __device__ __forceinline__ void combine_row(const hep_kargs &a, const char *const *s_x, int L,
                                             int i, int mybase, uint4 *out, const char *parts)
 {
@@ -177,12 +177,13 @@ __device__ __forceinline__ void combine_row(const hep_kargs &a, const char *cons
                                            (size_t)__shfl_sync(FULL, rs.npos, M)) * rb);
         }
         copy_row(src, out, rb);
-    } else if (n == 0)
-        sum_rows<8, 1>(rs, s_x, parts, a.node, rb, T, out); /* -0.0 everywhere */
-    else if (n == 2)
-        sum_rows<4, 2>(rs, s_x, parts, a.node, rb, T, out);
+    } else if (n == 0) { /* routed nowhere: the empty sum, -0.0 in every channel */
+        const uint4 z = make_uint4(0x80008000u, 0x80008000u, 0x80008000u, 0x80008000u);
+        for (int k = lane; k < (int)(rb / 16); k += 32)
+            out[k] = z;
+    }
     else
-        sum_rows<2, 4>(rs, s_x, parts, a.node, rb, T, out);
+        sum_rows<4, 2>(rs, s_x, parts, a.node, rb, T, out);
 }
 
 __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
@@ -196,9 +197,17 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     __shared__ int s_last;
     if (tid < R)
         s_x[tid] = a.x[tid];
+#ifndef HEP_STATIC_TOKENS
+    /* the first grab of own tokens, asked for now: its round trip hides behind the waits */
+    unsigned *work = a.work + HEP_WORK_COMBINE(N);
+    const int first_grab = lane == 0 ? (int)atomicAdd(work, GRAB) : 0;
+#endif
 
     if (b == 0 && tid == 0) {
-        fence_peers(a);
+        /* the expert outputs were written by earlier kernels of this stream, complete at
+         * device scope; a node-mate on another GPU needs them at system scope first */
+        if (a.peers_sys)
+            __threadfence_system();
         st_release_peers(a, a.flags[a.local] + HEP_FLAG_COMBINE_READY, e);
     }
     bool ok = true;
@@ -259,8 +268,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
                     parts);
 #else
     // the next GRAB own tokens from the rank's counter, asked for ahead (see push_list)
-    unsigned *work = a.work + HEP_WORK_COMBINE(N);
-    int next = __shfl_sync(FULL, lane == 0 ? (int)atomicAdd(work, GRAB) : 0, 0);
+    int next = __shfl_sync(FULL, first_grab, 0);
     while (next < a.t) {
         const int i0 = next;
         int pending = 0;

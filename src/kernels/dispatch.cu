@@ -124,7 +124,7 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
 #define GRAB 2
 #endif
 __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const *s_x,
-                          float *const *s_prob, float *const *s_scale)
+                          float *const *s_prob, float *const *s_scale, int first_grab)
 {
     const int lane = threadIdx.x & 31;
     const int mybase = lane < a.R ? ld_l2(a.meta + L * a.R + lane) : 0;
@@ -136,7 +136,9 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
         push_token(a, v, L, i, mybase, s_x, s_prob, s_scale);
 #else
     unsigned *work = a.work + L;
-    int next = __shfl_sync(FULL, lane == 0 ? (int)atomicAdd(work, GRAB) : 0, 0);
+    /* first_grab >= 0: lane 0 asked for the first grab at kernel start */
+    int next = __shfl_sync(FULL, first_grab >= 0 ? first_grab
+                                 : lane == 0 ? (int)atomicAdd(work, GRAB) : 0, 0);
     while (next < v.t) {
         const int i0 = next;
         int pending = 0;
@@ -160,6 +162,13 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     __shared__ char *s_x[HEP_GPU_MAX_LOCAL];
     __shared__ float *s_prob[HEP_GPU_MAX_LOCAL], *s_scale[HEP_GPU_MAX_LOCAL];
     const unsigned long long e = *a.epoch + 1;
+    /* the first grab of own tokens (push_list), asked for now: its round trip hides behind
+     * the layout step; the counters were reset by the previous call's last block */
+#ifndef HEP_STATIC_TOKENS
+    const int first_grab = (tid & 31) == 0 ? (int)atomicAdd(a.work + a.node, GRAB) : 0;
+#else
+    const int first_grab = -1;
+#endif
     for (int j = tid; j < R; j += blockDim.x) {
         s_x[j] = a.x[j];
         s_prob[j] = a.prob[j];
@@ -178,17 +187,15 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
         if (!layout_publish(a, e, s))
             return;
         const unsigned long long t_layout = now_ns();
-        if (tid == 0) {
-            __threadfence();
+        if (tid == 0) /* after layout_publish's barrier: a release is enough */
             st_release_gpu(a.layout_ready, e);
-        }
         layout_report(a, s, t_start, t_layout);
     } else if (!grid_wait(a, a.layout_ready, e)) {
         return;
     }
 
     // 3. push the own tokens (while the other nodes' rows may still travel), then theirs
-    push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale);
+    push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, first_grab);
     if (N > 1) {
         bool ok = true;
         if (tid < N - 1) {
@@ -209,15 +216,13 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
                 continue;
             const lview v = list_of(a, L);
             rebase_list(a, L, v.t, s);
-            push_list(a, v, L, s_x, s_prob, s_scale);
+            push_list(a, v, L, s_x, s_prob, s_scale, -1);
         }
     }
     __syncthreads();
-    if (tid == 0) {
-        fence_peers(a);
+    if (tid == 0) /* releases, cumulative over the block's rows (ordered by the barrier) */
         for (int d = 0; d < R; d++)
             red_add_release_peers(a, a.flags[d] + HEP_FLAG_DISPATCH_ARRIVE + a.local, 1ull);
-    }
     work_done(a.work, N, a.work + HEP_WORK_DISPATCH_DONE(N));
     if (b == 0 && tid < R)
         wait_mate(a, a.flags[a.local] + HEP_FLAG_DISPATCH_ARRIVE + tid,
