@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call. Expects the binaries built
 # by bench/gpu_build.sh in .gpu/ (carried with the call). Full logs go to $OUT.
-# Usage: bench/gpu_check.sh [all|test|san|bench|sweep|nodes]...  (several modes run in order;
+# Usage: bench/gpu_check.sh [all|test|san|bench|sweep|nodes|variants|python]...  (several modes run in order;
 #   BENCH_ARGS adds options to every bench; SWEEP_SMS the SM counts of `sweep`)
 #   test: the GPU tests; san: compute-sanitizer memcheck and racecheck on small cases
 #   sweep: one rank (E_l = 8, K = 8) and eight ranks (bench defaults) across SM counts
 #   nodes: the benches of 2 x 4 and 4 x 2 virtual nodes over the loopback NIC
+#   variants: the benches of each kernel variant built by bench/gpu_variants.sh
+#   python: the Python package's GPU run (python/tests/gpu_run.sh, 8 processes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hep-gpu}
@@ -24,7 +26,7 @@ step() { echo; echo "=== $* ($(date +%T))"; }
 if want test; then
   {
     step "GPU tests (kernels vs host backend and oracle, graph replay, timeout, DMA-BUF)"
-    timeout 420 $B/test_gpu_ep
+    timeout 300 $B/test_gpu_ep
     echo "test_gpu_ep exit: $?"
   } > "$OUT/test.txt" 2>&1
   grep -vE '^\[ *(RUN|OK) \]|unavailable; using DMA-BUF' "$OUT/test.txt" | tail -60
@@ -32,23 +34,33 @@ fi
 if want san; then
   {
     step "compute-sanitizer memcheck (small cases)"
-    HEP_GPU_TEST_SMALL=1 timeout 240 compute-sanitizer --tool memcheck --leak-check full $B/test_gpu_ep
+    HEP_GPU_TEST_SMALL=1 timeout 150 compute-sanitizer --tool memcheck --leak-check full $B/test_gpu_ep
     step "compute-sanitizer racecheck (small cases)"
-    HEP_GPU_TEST_SMALL=1 timeout 240 compute-sanitizer --tool racecheck $B/test_gpu_ep
+    HEP_GPU_TEST_SMALL=1 timeout 150 compute-sanitizer --tool racecheck $B/test_gpu_ep
   } > "$OUT/sanitizer.txt" 2>&1
   grep -E "===|SUMMARY|FAILED|PASSED|exit" "$OUT/sanitizer.txt" | grep -v "^=== *$" | tail -12
 fi
 if want sweep; then
   {
-    for S in ${SWEEP_SMS:-8 16 24 32 64 128}; do
-      step "one rank: hybridep bench --ranks-per-node 1 --experts-per-rank 8 --topk 8 --sms $S"
-      $B/hybridep bench --ranks-per-node 1 --experts-per-rank 8 --topk 8 --sms "$S" ${BENCH_ARGS:-}
+    step "one rank: hybridep bench --ranks-per-node 1 --experts-per-rank 8 --topk 8 --sweep-sms ${SWEEP_SMS:-8,16,24,32,48,64,96,128,132}"
+    $B/hybridep bench --ranks-per-node 1 --experts-per-rank 8 --topk 8 \
+      --sweep-sms "${SWEEP_SMS:-8,16,24,32,48,64,96,128,132}" --json-file "$OUT/sweep1.json" ${BENCH_ARGS:-}
+    step "one rank, T = 16384: hybridep bench --ranks-per-node 1 --experts-per-rank 8 --topk 8 --tokens 16384 --sms 24"
+    $B/hybridep bench --ranks-per-node 1 --experts-per-rank 8 --topk 8 --tokens 16384 --sms 24 ${BENCH_ARGS:-}
+    step "eight ranks: hybridep bench --sweep-sms 4,8,12,16"
+    $B/hybridep bench --sweep-sms 4,8,12,16 --json-file "$OUT/sweep8.json" ${BENCH_ARGS:-}
+  } 2>&1 | tee "$OUT/sweep.txt" | grep -vE '^\[bench\]'
+fi
+if want variants; then
+  {
+    for v in .gpu/var/*/; do
+      v=${v%/}
+      step "variant $(basename "$v"): hybridep bench (bf16, fp8) and one rank at 24 SMs"
+      LD_LIBRARY_PATH=$v:$LD_LIBRARY_PATH $v/hybridep bench ${BENCH_ARGS:-}
+      LD_LIBRARY_PATH=$v:$LD_LIBRARY_PATH $v/hybridep bench --dtype fp8 ${BENCH_ARGS:-}
+      LD_LIBRARY_PATH=$v:$LD_LIBRARY_PATH $v/hybridep bench --ranks-per-node 1 --experts-per-rank 8 --topk 8 --sms 24 ${BENCH_ARGS:-}
     done
-    for S in 4 8 16; do
-      step "eight ranks: hybridep bench --sms $S"
-      $B/hybridep bench --sms "$S" ${BENCH_ARGS:-}
-    done
-  } 2>&1 | tee "$OUT/sweep.txt" | grep -E '^===|^(preprocess|dispatch|combine|ceiling)|verified|rror|timed out'
+  } 2>&1 | tee "$OUT/variants.txt" | grep -E '^===|^(preprocess|layout|dispatch|combine)|verified|rror|timed out'
 fi
 if want bench; then
   {
@@ -72,4 +84,10 @@ if want nodes; then
       done
     done
   } 2>&1 | tee "$OUT/bench_nodes.txt" | grep -vE '^\[bench\]'
+fi
+if want python; then
+  step "python package on the GPU (8 processes, with and without MPS)"
+  HEP_BUILD_DIR=.gpu timeout 560 bash python/tests/gpu_run.sh > "$OUT/python.txt" 2>&1
+  echo "gpu_run.sh exit: $?"
+  grep -E '^==|passed|failed|skipped|Error|error' "$OUT/python.txt" | tail -40
 fi
