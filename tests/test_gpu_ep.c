@@ -533,23 +533,39 @@ static int legacy_stream_rank(rank_ctx *r)
 {
     hep_config c = gcfg(256, 16, 2, 2, HEP_DTYPE_BF16, 2);
     hep_group *g = NULL;
+    cudaStream_t st = NULL;
     hep_dispatch_args da;
     hep_dispatch_result dr;
     hep_combine_args ca;
-    int rc, rc2;
+    int rc, ok = 1;
     cudaSetDevice(0);
-    if ((rc = hep_group_create(&c, &r->bs, 0, &g)))
+    if (cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess)
+        return -1;
+    if ((rc = hep_group_create(&c, &r->bs, 0, &g))) {
+        cudaStreamDestroy(st);
         return rc;
+    }
     memset(&da, 0, sizeof(da));
-    da.topk = 2; /* num_tokens 0, stream NULL */
-    rc = hep_dispatch(g, &da, &dr);
-    snprintf(r->err, sizeof(r->err), "%s", rc ? hep_last_error() : "");
+    da.topk = 2; /* num_tokens 0 */
+    da.stream = st;
+    ok &= hep_dispatch(g, &da, &dr) == HEP_OK;
     memset(&ca, 0, sizeof(ca));
-    ca.handle = 1;
+    ca.handle = dr.handle;
     ca.stream = (void *)cudaStreamLegacy;
-    rc2 = hep_combine(g, &ca);
-    hep_group_destroy(g);
-    return rc == HEP_ERR_INVALID && rc2 == HEP_ERR_INVALID ? 0 : -1;
+    ok &= hep_combine(g, &ca) == HEP_ERR_INVALID &&
+          strstr(hep_last_error(), "legacy default stream") != NULL;
+    ca.stream = st; /* the refused call did nothing: the handle is still good */
+    ok &= hep_combine(g, &ca) == HEP_OK;
+    da.stream = NULL;
+    ok &= hep_dispatch(g, &da, &dr) == HEP_ERR_INVALID;
+    {
+        char keep[1024]; /* the message the test prints, past destroy */
+        snprintf(keep, sizeof(keep), "%s", hep_last_error());
+        hep_group_destroy(g);
+        cudaStreamDestroy(st);
+        hep_set_last_error(HEP_ERR_INVALID, "%s", keep);
+    }
+    return ok ? 0 : -1;
 }
 
 static void gpu_ranks_of_one_process_refuse_the_legacy_default_stream(void **state)

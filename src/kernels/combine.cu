@@ -199,15 +199,12 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
         s_x[tid] = a.x[tid];
 #ifndef HEP_STATIC_TOKENS
     /* the first grab of own tokens, asked for now: its round trip hides behind the waits */
-    unsigned *work = a.work + HEP_WORK_COMBINE(N);
+    unsigned *work = a.work + HEP_WORK_COMBINE;
     const int first_grab = lane == 0 ? (int)atomicAdd(work, GRAB) : 0;
 #endif
 
     if (b == 0 && tid == 0) {
-        /* the expert outputs were written by earlier kernels of this stream, complete at
-         * device scope; a node-mate on another GPU needs them at system scope first */
-        if (a.peers_sys)
-            __threadfence_system();
+        fence_peers(a);
         st_release_peers(a, a.flags[a.local] + HEP_FLAG_COMBINE_READY, e);
     }
     bool ok = true;
@@ -267,7 +264,11 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
         combine_row(a, s_x, a.node, i, mybase, (uint4 *)((char *)a.combine_out + (size_t)i * rb),
                     parts);
 #else
-    // the next GRAB own tokens from the rank's counter, asked for ahead (see push_list)
+    // Every warp of the rank takes the next GRAB own tokens from the rank's work counter
+    // until none are left, so that no warp idles while another still has rows: the rank
+    // ends with its last token, not with its slowest block. The next grab is asked for
+    // before the current tokens are summed, so its round trip hides behind them. (The
+    // positions are the dispatch's, complete before this kernel.)
     int next = __shfl_sync(FULL, first_grab, 0);
     while (next < a.t) {
         const int i0 = next;
@@ -281,7 +282,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     }
     (void)gw, (void)nw;
 #endif
-    work_done(a.work + HEP_WORK_COMBINE(N), 1, a.work + HEP_WORK_COMBINE_DONE(N));
+    work_done(a.work + HEP_WORK_COMBINE, 1, a.work + HEP_WORK_COMBINE_DONE);
 }
 
 // Copy the caller's expert outputs into this rank's X (count read on the device).

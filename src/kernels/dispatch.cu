@@ -114,41 +114,24 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
     }
 }
 
-// The block's warps push tokens of list L. By default every warp of the rank takes the next
-// GRAB tokens from the list's work counter (a.work[L]) until none are left, so that no warp
-// idles while another still has rows: the rank ends with its last token, not with its
-// slowest block. The next grab is asked for before the current tokens are pushed, so its
-// round trip hides behind them. (HEP_STATIC_TOKENS: each block its fixed share, each warp
-// consecutive tokens of it.)
-#ifndef GRAB
-#define GRAB 2
-#endif
+// Block b's warps push its tokens of list L, each warp consecutive tokens of the block's
+// share. (Taking tokens from a rank-wide counter was tried: a warp may then push a token
+// of another block before that block made its positions rank-wide, which needs one more
+// grid barrier, and it gained nothing measurable for dispatch; bench/NOTES.md.)
 __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const *s_x,
-                          float *const *s_prob, float *const *s_scale, int first_grab)
+                          float *const *s_prob, float *const *s_scale)
 {
     const int lane = threadIdx.x & 31;
     const int mybase = lane < a.R ? ld_l2(a.meta + L * a.R + lane) : 0;
-#ifdef HEP_STATIC_TOKENS
     int t0, t1, w0, w1;
     block_range(v.t, blockIdx.x, gridDim.x, t0, t1);
+#ifdef HEP_STRIDED_TOKENS
+    for (int i = t0 + (threadIdx.x >> 5); i < t1; i += blockDim.x >> 5)
+#else
     warp_range(t0, t1, threadIdx.x >> 5, blockDim.x >> 5, w0, w1);
     for (int i = w0; i < w1; i++)
-        push_token(a, v, L, i, mybase, s_x, s_prob, s_scale);
-#else
-    unsigned *work = a.work + L;
-    /* first_grab >= 0: lane 0 asked for the first grab at kernel start */
-    int next = __shfl_sync(FULL, first_grab >= 0 ? first_grab
-                                 : lane == 0 ? (int)atomicAdd(work, GRAB) : 0, 0);
-    while (next < v.t) {
-        const int i0 = next;
-        int pending = 0;
-        if (lane == 0)
-            pending = (int)atomicAdd(work, GRAB);
-        for (int i = i0; i < min(v.t, i0 + GRAB); i++)
-            push_token(a, v, L, i, mybase, s_x, s_prob, s_scale);
-        next = __shfl_sync(FULL, pending, 0);
-    }
 #endif
+        push_token(a, v, L, i, mybase, s_x, s_prob, s_scale);
 }
 
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
@@ -162,13 +145,6 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     __shared__ char *s_x[HEP_GPU_MAX_LOCAL];
     __shared__ float *s_prob[HEP_GPU_MAX_LOCAL], *s_scale[HEP_GPU_MAX_LOCAL];
     const unsigned long long e = *a.epoch + 1;
-    /* the first grab of own tokens (push_list), asked for now: its round trip hides behind
-     * the layout step; the counters were reset by the previous call's last block */
-#ifndef HEP_STATIC_TOKENS
-    const int first_grab = (tid & 31) == 0 ? (int)atomicAdd(a.work + a.node, GRAB) : 0;
-#else
-    const int first_grab = -1;
-#endif
     for (int j = tid; j < R; j += blockDim.x) {
         s_x[j] = a.x[j];
         s_prob[j] = a.prob[j];
@@ -187,15 +163,17 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
         if (!layout_publish(a, e, s))
             return;
         const unsigned long long t_layout = now_ns();
-        if (tid == 0) /* after layout_publish's barrier: a release is enough */
+        if (tid == 0) {
+            __threadfence();
             st_release_gpu(a.layout_ready, e);
+        }
         layout_report(a, s, t_start, t_layout);
     } else if (!grid_wait(a, a.layout_ready, e)) {
         return;
     }
 
     // 3. push the own tokens (while the other nodes' rows may still travel), then theirs
-    push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, first_grab);
+    push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale);
     if (N > 1) {
         bool ok = true;
         if (tid < N - 1) {
@@ -216,14 +194,15 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
                 continue;
             const lview v = list_of(a, L);
             rebase_list(a, L, v.t, s);
-            push_list(a, v, L, s_x, s_prob, s_scale, -1);
+            push_list(a, v, L, s_x, s_prob, s_scale);
         }
     }
     __syncthreads();
-    if (tid == 0) /* releases, cumulative over the block's rows (ordered by the barrier) */
+    if (tid == 0) {
+        fence_peers(a);
         for (int d = 0; d < R; d++)
             red_add_release_peers(a, a.flags[d] + HEP_FLAG_DISPATCH_ARRIVE + a.local, 1ull);
-    work_done(a.work, N, a.work + HEP_WORK_DISPATCH_DONE(N));
+    }
     if (b == 0 && tid < R)
         wait_mate(a, a.flags[a.local] + HEP_FLAG_DISPATCH_ARRIVE + tid,
                   e * (unsigned long long)S, HEP_STAGE_DISPATCH, tid);

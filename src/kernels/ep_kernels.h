@@ -47,13 +47,11 @@
  * flags, then per node a count block: its slot's tokens per (local rank d, expert), as
  * R x (E_l + 1) i32 (total at d, then per expert), sent ahead of the rows so that the
  * receiver lays out its rows, and forwards its own tokens, while the rows travel. */
-/* A rank's work counters (u32, device, zero between calls): the next token of each list a
- * dispatch warp takes, the next own token a combine warp takes, and the blocks of each
- * kernel that finished (the last one resets the counters). */
-#define HEP_WORK_COMBINE(N) (N)
-#define HEP_WORK_DISPATCH_DONE(N) ((N) + 1)
-#define HEP_WORK_COMBINE_DONE(N) ((N) + 2)
-#define HEP_WORK_WORDS(N) ((N) + 3)
+/* A rank's work counters (u32, device, zero between calls): the next own token a combine
+ * warp takes, and the combine blocks that finished (the last one resets both). */
+#define HEP_WORK_COMBINE 0
+#define HEP_WORK_COMBINE_DONE 1
+#define HEP_WORK_WORDS 2
 
 #define HEP_COUNT_BLOCK_WORDS(R, El) (((R) * ((El) + 1) + 1) / 2)
 #define HEP_PX_MAX_BLOCKS 132
@@ -97,7 +95,7 @@ typedef struct hep_kargs {
     int *block_counts;               /* [S][R] tokens per destination of each block */
     int *recv_count;                 /* device int */
     int *tokens_per_expert;          /* device [El] */
-    unsigned *work;                  /* device [HEP_WORK_WORDS(N)] */
+    unsigned *work;                  /* device [HEP_WORK_WORDS] */
     int *host_counts;                /* mapped host [1 + El] */
     hep_diag *diag;                  /* mapped host: written on failure only */
     unsigned long long *abort;       /* device: this rank's flags[HEP_FLAG_ABORT] */

@@ -135,6 +135,7 @@ static __device__ bool layout_publish(const hep_kargs &a, unsigned long long e, 
     __syncthreads();
     if (tid == 0) {
         *a.epoch = e;
+        fence_peers(a);
         st_release_peers(a, a.flags[a.local] + HEP_FLAG_COUNTS_READY, e);
     }
     bool ok = true;

@@ -64,6 +64,13 @@ __device__ __forceinline__ uint4 ld_cg(const uint4 *p)
 // Node-mates' flags and rows: system scope only when a node-mate is on another GPU; ranks
 // of one GPU (virtual ranks, or processes sharing it through CUDA IPC) are all threads of
 // that device, and a device-scope fence costs far less than a system-scope one.
+__device__ __forceinline__ void fence_peers(const hep_kargs &a)
+{
+    if (a.peers_sys)
+        __threadfence_system();
+    else
+        __threadfence();
+}
 __device__ __forceinline__ void st_release_peers(const hep_kargs &a, unsigned long long *p,
                                                  unsigned long long v)
 {
@@ -194,13 +201,15 @@ __device__ __forceinline__ bool grid_wait(const hep_kargs &a, unsigned long long
 }
 
 // This block arrives at the grid counter *ctr (its earlier writes released to the others).
-// The barrier orders the block's writes before thread 0's release, and a release is
-// cumulative over what its thread observed: no separate fence.
+// (Without the fence, relying on the release's cumulativity over the barrier, the layout
+// step was no faster: bench/NOTES.md.)
 __device__ __forceinline__ void grid_arrive(unsigned long long *ctr)
 {
     __syncthreads();
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
+        __threadfence();
         red_add_release_gpu(ctr, 1ull);
+    }
 }
 
 #endif

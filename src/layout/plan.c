@@ -293,7 +293,7 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
     add(&x, HEP_BUF_HANDLE_ROWS, "handle.dest_rows", "both", "i32", 4,
         mul3(&x, T, W, 1) + mul3(&x, T, (size_t)nodes, 1) + 132 * (size_t)nodes,
         HEP_ARENA_LOCAL, 0);
-    add(&x, HEP_BUF_HANDLE_META, "handle.meta", "both", "i32", 4, 4 * W + El + 24 + HEP_WORK_WORDS(nodes),
+    add(&x, HEP_BUF_HANDLE_META, "handle.meta", "both", "i32", 4, 4 * W + El + 24 + HEP_WORK_WORDS,
         HEP_ARENA_LOCAL, 0);
     add(&x, HEP_BUF_HANDLE_BLOCKS, "handle.block_counts", "dispatch", "i32", 4, 132 * W,
         HEP_ARENA_LOCAL, 0);

@@ -67,6 +67,7 @@ typedef enum cudaDriverEntryPointQueryResult {
 #define cudaHostAllocMapped 0x02
 #define cudaIpcMemLazyEnablePeerAccess 0x01
 #define cudaStreamNonBlocking 0x01
+#define cudaStreamLegacy ((cudaStream_t)0x1)
 #define cudaEventDisableTiming 0x02
 #define cudaEnableDefault 0x0
 
