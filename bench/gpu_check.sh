@@ -87,7 +87,7 @@ if want nodes; then
 fi
 if want python; then
   step "python package on the GPU (8 processes, with and without MPS)"
-  HEP_BUILD_DIR=.gpu timeout 560 bash python/tests/gpu_run.sh > "$OUT/python.txt" 2>&1
+  HEP_BUILD_DIR=.gpu timeout ${PY_TIMEOUT:-560} bash python/tests/gpu_run.sh > "$OUT/python.txt" 2>&1
   echo "gpu_run.sh exit: $?"
   grep -E '^==|passed|failed|skipped|Error|error' "$OUT/python.txt" | tail -40
 fi
