@@ -26,10 +26,11 @@ run() { # name, timeout seconds, command...
     esac
     return 0
 }
-trun() { "$py" -m torch.distributed.run --standalone --nproc-per-node "$np" "$@"; }
+# a command, not a function: `timeout` runs programs only
+trun=("$py" -m torch.distributed.run --standalone --nproc-per-node "$np")
 suite() { # label
-    run "$1: moe_layer.py x$np (correctness vs plain torch)" 300 trun examples/moe_layer.py --backend gpu --sms 4
-    run "$1: gpu_bench.py x$np (phases, Python overhead)" 600 trun python/tests/gpu_bench.py
+    run "$1: moe_layer.py x$np (correctness vs plain torch)" 300 "${trun[@]}" examples/moe_layer.py --backend gpu --sms 4
+    run "$1: gpu_bench.py x$np (phases, Python overhead)" 600 "${trun[@]}" python/tests/gpu_bench.py
     run "$1: pytest GPU tests (CUDA graph, torch.compile)" 600 env HEP_PY_GPU_WORLD="$np" "$py" -m pytest -q -rs python/tests/test_gpu.py
     run "$1: pytest all (host backend too)" 600 "$py" -m pytest -q -rs python/tests
 }

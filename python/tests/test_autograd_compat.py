@@ -93,8 +93,11 @@ def test_dispatch_backward_without_autograd_combine_says_why():
 
 
 def _compat(rank, world):
+    # the host backend, named: on a GPU machine the default would be the GPU backend, and
+    # this test's tensors are CPU tensors
     b = HybridEPBuffer(None, hidden_dim=H, max_num_of_tokens_per_rank=T, num_local_experts=EL,
-                       use_fp8=False, num_sms_dispatch_api=16, num_sms_combine_api=16)
+                       use_fp8=False, num_sms_dispatch_api=16, num_sms_combine_api=16,
+                       backend="host")
     assert b.num_of_nodes == 1 and b.num_of_ranks_per_node == world
     E = EL * world
     all_in = [ref.inputs(31, r, T, H, E, K) for r in range(world)]
