@@ -246,13 +246,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
             __threadfence_system();
             st_release(a.px + HEP_PX_WORD(N, 1, tid) + 3 * HEP_PX_MAX_BLOCKS, e);
         }
-        ok = true;
-        if (tid < N - 1) {
-            const int L = tid < a.node ? tid : tid + 1;
-            ok = wait_geq(a, a.part_words + N + tid, e, HEP_STAGE_NODE_COMBINE,
-                          L * R + a.local);
-        }
-        if (!block_all(ok))
+        if (!wait_slots(a, a.part_words + N, e, HEP_STAGE_NODE_COMBINE))
             return;
     }
     const int mybase = lane < R ? ld_l2(a.meta + a.node * R + lane) : 0;

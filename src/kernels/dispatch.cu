@@ -175,13 +175,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     // 3. push the own tokens (while the other nodes' rows may still travel), then theirs
     push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale);
     if (N > 1) {
-        bool ok = true;
-        if (tid < N - 1) {
-            const int L = tid < a.node ? tid : tid + 1;
-            ok = wait_geq(a, a.slot_words + N + tid, e, HEP_STAGE_NODE_DISPATCH,
-                          L * R + a.local);
-        }
-        if (!block_all(ok))
+        if (!wait_slots(a, a.slot_words + N, e, HEP_STAGE_NODE_DISPATCH))
             return;
         for (int L = 0; L < N; L++)
             if (L != a.node)

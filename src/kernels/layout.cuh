@@ -116,13 +116,7 @@ static __device__ bool layout_publish(const hep_kargs &a, unsigned long long e, 
         mine[(size_t)a.node * LW + (size_t)d * (El + 1)] = s.tot[d];
     if (N > 1) {
         const size_t CBW = HEP_COUNT_BLOCK_WORDS((size_t)R, (size_t)El);
-        bool ok = true;
-        if (tid < N - 1) {
-            int L = tid < a.node ? tid : tid + 1;
-            ok = wait_geq(a, a.slot_words + 2 * N + tid, e, HEP_STAGE_NODE_DISPATCH,
-                          L * R + a.local);
-        }
-        if (!block_all(ok))
+        if (!wait_slots(a, a.slot_words + 2 * N, e, HEP_STAGE_NODE_DISPATCH))
             return false;
         for (int j = tid; j < (N - 1) * (int)LW; j += blockDim.x) {
             const int sl = j / (int)LW, L = sl < a.node ? sl : sl + 1;

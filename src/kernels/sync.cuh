@@ -190,6 +190,19 @@ __device__ __forceinline__ bool block_all(bool ok)
     return __syncthreads_and(ok ? 1 : 0) != 0;
 }
 
+// Each other node's word words[j] (j < N - 1, in slot order) reached e, as the NIC or the
+// proxy writes it: threads 0..N-2 of the block wait one word each. false when a wait gave up.
+__device__ __forceinline__ bool wait_slots(const hep_kargs &a, const unsigned long long *words,
+                                           unsigned long long e, int stage)
+{
+    bool ok = true;
+    if ((int)threadIdx.x < a.N - 1) {
+        const int L = (int)threadIdx.x < a.node ? (int)threadIdx.x : (int)threadIdx.x + 1;
+        ok = wait_geq(a, words + threadIdx.x, e, stage, L * a.R + a.local);
+    }
+    return block_all(ok);
+}
+
 // All S blocks of this kernel arrived at *ctr (the kernels of a rank fit the GPU together).
 __device__ __forceinline__ bool grid_wait(const hep_kargs &a, unsigned long long *ctr,
                                           unsigned long long expect)
