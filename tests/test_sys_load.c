@@ -26,7 +26,11 @@ static void ibv_table_missing_library_is_an_error_not_a_crash(void **state)
     const hep_ibv_table *t = hep_ibv();
     (void)state;
     assert_int_equal(t->loaded, 0);
+#ifdef HEP_NO_VERBS /* built without the headers: nothing is loaded, and it says why */
+    assert_non_null(strstr(t->load_error, "libibverbs-dev"));
+#else
     assert_non_null(strstr(t->load_error, "cannot load"));
+#endif
     assert_null(t->reg_dmabuf_mr);
     assert_int_equal(hep_ibv_require(t->alloc_pd, "ibv_alloc_pd"), HEP_ERR_UNAVAILABLE);
     assert_non_null(strstr(hep_last_error(), "libibverbs"));

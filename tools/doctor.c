@@ -53,20 +53,6 @@ typedef struct doctor {
     struct rlimit memlock;
 } doctor;
 
-static int read_line(const char *path, char *buf, size_t len)
-{
-    FILE *f = fopen(path, "r");
-    if (!f)
-        return -1;
-    if (!fgets(buf, (int)len, f)) {
-        fclose(f);
-        return -1;
-    }
-    fclose(f);
-    buf[strcspn(buf, "\n")] = '\0';
-    return 0;
-}
-
 static int peermem_loaded(void)
 {
     char line[256];
@@ -129,6 +115,21 @@ static void collect_gpus(doctor *d)
                 d->p2p[i][j] = can;
         }
     }
+}
+
+#ifndef HEP_NO_VERBS
+static int read_line(const char *path, char *buf, size_t len)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return -1;
+    if (!fgets(buf, (int)len, f)) {
+        fclose(f);
+        return -1;
+    }
+    fclose(f);
+    buf[strcspn(buf, "\n")] = '\0';
+    return 0;
 }
 
 static const char *port_state(enum ibv_port_state s)
@@ -234,8 +235,16 @@ out:
         t->close_device(ctx);
 }
 
+#endif
+
 static void collect_nics(doctor *d)
 {
+#ifdef HEP_NO_VERBS
+    snprintf(d->nic_error, sizeof(d->nic_error),
+             "not in this build: the libibverbs headers (Debian: libibverbs-dev) were missing "
+             "when it was built, so the verbs NIC and these checks were left out");
+}
+#else
     const doc_ibv *t = doc_ibv_get();
     struct ibv_device **list;
     int n = 0;
@@ -266,6 +275,7 @@ static void collect_nics(doctor *d)
     }
     t->free_device_list(list);
 }
+#endif
 
 static void print_limit(FILE *f, rlim_t v)
 {

@@ -12,6 +12,15 @@
 static hep_ibv_table ibv_table;
 static pthread_once_t ibv_once = PTHREAD_ONCE_INIT;
 
+#ifdef HEP_NO_VERBS
+/* Built without the libibverbs headers: nothing is loaded, and every verbs path says why. */
+static void ibv_load(void)
+{
+    snprintf(ibv_table.load_error, sizeof(ibv_table.load_error),
+             "this build of hybridep has no verbs NIC: the libibverbs headers (Debian: "
+             "libibverbs-dev) were missing when it was built; only the loopback NIC works");
+}
+#else
 /* rdma-core's own map file: the default version of each symbol. */
 static void *bind(void *lib, const char *name, const char *version)
 {
@@ -56,6 +65,7 @@ static void ibv_load(void)
     *(void **)&t->wc_status_str = bind(lib, "ibv_wc_status_str", "IBVERBS_1.1");
     /* The library stays loaded for the life of the process, as providers expect. */
 }
+#endif
 
 const hep_ibv_table *hep_ibv(void)
 {
@@ -77,6 +87,10 @@ int hep_ibv_require(const void *fn, const char *what)
 
 int hep_ibv_query_port(struct ibv_context *ctx, uint8_t port, struct ibv_port_attr *attr)
 {
+#ifdef HEP_NO_VERBS
+    (void)ctx, (void)port, (void)attr;
+    return ENOSYS;
+#else
     struct verbs_context *vctx = verbs_get_ctx_op(ctx, query_port);
     if (vctx)
         return vctx->query_port(ctx, port, attr, sizeof(*attr));
@@ -84,6 +98,7 @@ int hep_ibv_query_port(struct ibv_context *ctx, uint8_t port, struct ibv_port_at
         return ENOSYS;
     memset(attr, 0, sizeof(*attr));
     return hep_ibv()->query_port_compat(ctx, port, attr);
+#endif
 }
 
 struct ibv_mr *hep_ibv_reg_mr(struct ibv_pd *pd, void *addr, size_t len, int access)
