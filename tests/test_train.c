@@ -443,6 +443,108 @@ static void cases_cover_empty_expert_every_expert_and_overflow(void **s)
     assert_true(L.dropped > 0);
 }
 
+/* FP8: expert-major rows carry their source row's bytes and its H / 128 scales, padding
+ * zero. 2 ranks, H = 256, every token of rank r on expert 0 of rank (r + 1) % 2 and on
+ * expert 1 of rank r. */
+#define FH 256
+typedef struct fp8_case {
+    int bad[2];
+    char msg[2][256];
+} fp8_case;
+
+static int fp8_rank(rank_ctx *rx)
+{
+    fp8_case *c = rx->arg;
+    const int r = rx->rank, t = 5, pad = 4, budget = 32;
+    hep_config cfg = test_config(FH, 8, 2, 2, HEP_DTYPE_FP8_E4M3);
+    unsigned char tok[8 * FH], rows[32 * FH];
+    float sc[8 * 2], rs[32 * 2], rp[32], w[8 * 2];
+    int ids[8 * 2];
+    hep_group *g = NULL;
+    hep_handle *h = NULL;
+    hep_dispatch_args da;
+    hep_dispatch_opts x;
+    hep_dispatch_result dr;
+    cfg.backend = HEP_BACKEND_HOST;
+    for (int i = 0; i < t; i++) {
+        ids[i * 2] = ((r + 1) % 2) * 2;
+        ids[i * 2 + 1] = r * 2 + 1;
+        w[i * 2] = w[i * 2 + 1] = 0.5f;
+        sc[i * 2] = (float)(100 * r + i), sc[i * 2 + 1] = (float)(100 * r + i) + 0.5f;
+        for (int b = 0; b < FH; b++)
+            tok[i * FH + b] = (unsigned char)(r * 50 + i * 7 + b);
+    }
+    memset(rows, 0xff, sizeof(rows)), memset(rs, 0xff, sizeof(rs)), memset(rp, 0xff, sizeof(rp));
+    if (hep_group_create(&cfg, &rx->bs, 0, &g) || hep_handle_create(g, &h)) {
+        BAD(c, r, "create: %s", hep_last_error());
+        goto out;
+    }
+    memset(&da, 0, sizeof(da));
+    da.num_tokens = t, da.tokens = tok, da.scales = sc, da.topk_idx = ids, da.topk = 2;
+    da.topk_weights = w;
+    memset(&x, 0, sizeof(x));
+    x.handle = h, x.layout = HEP_LAYOUT_EXPERT_MAJOR, x.pad_multiple = pad;
+    x.num_permuted_tokens = budget, x.recv_tokens = rows, x.recv_probs = rp, x.recv_scales = rs;
+    if (hep_dispatch_ex(g, &da, &x, &dr)) {
+        BAD(c, r, "dispatch: %s", hep_last_error());
+        goto out;
+    }
+    /* expert 0: the other rank's 5 tokens (rows 0..4, 5..7 padding); expert 1: my 5 (8..12) */
+    if (x.num_permuted != 16 || x.tokens_per_expert[0] != 8 || x.tokens_per_expert[1] != 8)
+        BAD(c, r, "rank %d: %d rows, blocks %lld %lld", r, x.num_permuted,
+            (long long)x.tokens_per_expert[0], (long long)x.tokens_per_expert[1]);
+    for (int e = 0; e < 2; e++) {
+        int s = e == 0 ? (r + 1) % 2 : r;
+        for (int i = 0; i < 8; i++) {
+            int p = e * 8 + i;
+            for (int b = 0; b < FH; b++)
+                if (rows[p * FH + b] != (i < t ? (unsigned char)(s * 50 + i * 7 + b) : 0))
+                    BAD(c, r, "rank %d: row %d byte %d", r, p, b);
+            for (int q = 0; q < 2; q++)
+                if (rs[p * 2 + q] != (i < t ? (float)(100 * s + i) + 0.5f * (float)q : 0.f))
+                    BAD(c, r, "rank %d: row %d scale %d = %g", r, p, q, rs[p * 2 + q]);
+            if (rp[p] != (i < t ? 0.5f : 0.f))
+                BAD(c, r, "rank %d: row %d prob %g", r, p, rp[p]);
+        }
+    }
+    if (x.copy_bytes != 16 * (FH + 4 + 2 * 4))
+        BAD(c, r, "rank %d: copy_bytes %zu", r, x.copy_bytes);
+    {   /* and the layout combines: each token's two rows (values 1 + p % 5 of each rank) */
+        hep_combine_args ca;
+        hep_combine_opts co;
+        uint16_t eo[32 * FH], out[8 * FH];
+        for (int p = 0; p < 32; p++)
+            for (int b = 0; b < FH; b++)
+                eo[p * FH + b] = out_val(r, p);
+        memset(&ca, 0, sizeof(ca)), memset(&co, 0, sizeof(co));
+        ca.expert_out = eo, ca.out = out, co.handle = h;
+        if (hep_combine_ex(g, &ca, &co))
+            BAD(c, r, "combine: %s", hep_last_error());
+        for (int i = 0; i < t; i++) /* expert 0 of the other rank: row i; my expert 1: 8 + i */
+            if (out[i * FH] != bf16_of(f32_of_bf16(out_val((r + 1) % 2, i)) +
+                                        f32_of_bf16(out_val(r, 8 + i))) &&
+                out[i * FH] != bf16_of(f32_of_bf16(out_val(r, 8 + i)) +
+                                        f32_of_bf16(out_val((r + 1) % 2, i))))
+                BAD(c, r, "rank %d: combined token %d = %g", r, i, f32_of_bf16(out[i * FH]));
+    }
+out:
+    hep_handle_destroy(h);
+    hep_group_destroy(g);
+    return 0;
+}
+
+static void expert_major_fp8_rows_carry_their_scales(void **s)
+{
+    static fp8_case c;
+    rank_ctx ctx[2];
+    (void)s;
+    memset(&c, 0, sizeof(c));
+    assert_int_equal(run_ranks(2, fp8_rank, &c, ctx), 0);
+    for (int r = 0; r < 2; r++)
+        if (c.bad[r])
+            fail_msg("%d failures; first: %s", c.bad[r], c.msg[r]);
+}
+
 static int errors(rank_ctx *rx)
 {
     tcase *c = rx->arg;
@@ -605,6 +707,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(expert_major_pad_128_matches_oracle),
         cmocka_unit_test(expert_major_budget_overflow_drops_last_rows),
         cmocka_unit_test(expert_major_across_two_nodes_matches_oracle),
+        cmocka_unit_test(expert_major_fp8_rows_carry_their_scales),
         cmocka_unit_test(bad_handles_and_options_are_refused_with_reasons),
     };
     if (argc > 1 && !strcmp(argv[1], "--gpu"))
