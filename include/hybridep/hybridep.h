@@ -151,7 +151,7 @@ typedef struct hep_dispatch_result {
     uint64_t handle;          /* pass to hep_combine */
 } hep_dispatch_result;
 
-/* Dispatch this rank's tokens. Outputs stay valid until the next hep_combine. The
+/* Dispatch this rank's tokens. Outputs stay valid until the next dispatch or combine. The
  * caller's buffers are read only during the call (combine uses what dispatch recorded).
  * HEP_WARN_IGNORED: an expert id out of range (not -1 and not below E); that slot was
  * ignored on every rank and the dispatch happened: call hep_combine as usual.
