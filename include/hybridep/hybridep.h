@@ -6,8 +6,10 @@
  * and allocates all buffers, shares the intra-node ones and, for N > 1, registers the
  * inter-node ones for RDMA and connects the queue pairs.
  *
- * Ownership: the group owns every buffer it plans (see `hybridep plan`); outputs of a
- * dispatch point into them and stay valid until the next hep_combine on that group.
+ * Ownership: the group owns every buffer it plans (see `hybridep plan`); the zero-copy
+ * outputs of a dispatch point into them and stay valid until the next dispatch or combine
+ * on that group. hep_dispatch_ex can write them into caller memory instead, and record the
+ * layout in a handle (hep_handle_create) that the caller keeps for later combines.
  */
 #ifndef HYBRIDEP_HYBRIDEP_H
 #define HYBRIDEP_HYBRIDEP_H
@@ -149,7 +151,7 @@ typedef struct hep_dispatch_result {
     uint64_t handle;          /* pass to hep_combine */
 } hep_dispatch_result;
 
-/* Dispatch this rank's tokens. Outputs stay valid until the next hep_combine. The
+/* Dispatch this rank's tokens. Outputs stay valid until the next dispatch or combine. The
  * caller's buffers are read only during the call (combine uses what dispatch recorded).
  * HEP_WARN_IGNORED: an expert id out of range (not -1 and not below E); that slot was
  * ignored on every rank and the dispatch happened: call hep_combine as usual.
@@ -170,6 +172,111 @@ typedef struct hep_combine_args {
 } hep_combine_args;
 
 int hep_combine(hep_group *g, const hep_combine_args *a);
+
+/* ---------------------------------------------------------------- the training API
+ *
+ * Handles. A hep_handle is a library-owned object: hep_handle_create allocates it once
+ * (host memory for the host backend; the GPU kernels would add device memory of their
+ * own), every dispatch given it records its layout there, and every later combine, and
+ * any dispatch flagged HEP_REUSE_LAYOUT, reads that layout back. Why an object and not
+ * caller memory of hep_handle_size() bytes: the checks that refuse a handle of another
+ * group, of a group since destroyed, or one that holds no layout run on the host from
+ * fields the library reads without a device round trip (so they work with HEP_ASYNC and
+ * in graph capture), and the handle's size and contents can differ per backend and per
+ * group shape without the caller allocating by a formula. Any number of handles may be
+ * outstanding; combine may use any live handle, in any order, more than once. Every rank
+ * still calls dispatch and combine in the same sequence, each with its handle of the same
+ * dispatch.
+ *
+ * Layouts. HEP_LAYOUT_RANK_MAJOR (default) is the receive order above. With
+ * HEP_LAYOUT_EXPERT_MAJOR the rows are written into caller memory grouped by local expert:
+ * expert e's block holds, in receive order, every received token with a slot on e (a
+ * token on two local experts appears twice, once per expert); block e starts at the sum of
+ * the earlier blocks and is padded to a multiple of pad_multiple with zero rows (tokens,
+ * probability and scales zero). Each row carries one f32 probability (the sum of the
+ * token's weights on that expert) and, for FP8, its H / 128 scales. The buffers hold
+ * num_permuted_tokens rows (the row budget, a multiple of pad_multiple): a row, data or
+ * padding, whose position is at or past the budget is not written, so the rows of the
+ * highest experts go first; overflow and overflow_rows say so. tokens_per_expert[e] is
+ * block e's padded row count as written (clipped to the budget), so its sum is
+ * num_permuted; rows from num_permuted to the budget are not written.
+ * Combine reads expert-major rows in the same positions and sums, for each token, over the
+ * destination ranks in ascending order and within each over its local experts in
+ * ascending order (f32, rounded to BF16 once per node as in rank-major); dropped rows
+ * contribute nothing.
+ *
+ * Probabilities through combine (the backward of dispatch's probabilities): with
+ * probs_in (rank-major: [num_recv, E_l] like dispatch's probs; expert-major: [rows] one per
+ * row) combine writes probs_out [t, E] f32: for each of this rank's tokens and each global
+ * expert x = d E_l + e that one of its slots chose, the value of rank d's row for (token,
+ * e); 0 where no slot chose x and for a dropped row. */
+
+typedef struct hep_handle hep_handle;
+
+/* A handle for dispatches and combines of g. It holds no layout until a dispatch given it
+ * records one; it does not need g to be alive to be destroyed, and it is refused (never
+ * misread) by any other group. 0, or HEP_ERR_INVALID (NULL), HEP_ERR_NOMEM. */
+int hep_handle_create(hep_group *g, hep_handle **out);
+/* Frees h (NULL is accepted). Not collective; g may be destroyed before. */
+void hep_handle_destroy(hep_handle *h);
+
+typedef enum { HEP_LAYOUT_RANK_MAJOR = 0, HEP_LAYOUT_EXPERT_MAJOR = 1 } hep_layout;
+
+#define HEP_REUSE_LAYOUT 2u /* hep_dispatch_ex: dispatch with the layout opts->handle holds:
+                               topk_idx and topk are ignored (may be NULL / 0), num_tokens
+                               must be the handle's, topk_weights NULL uses the recorded
+                               weights (else [t, the handle's topk]); layout, pad_multiple
+                               and num_permuted_tokens are the handle's */
+#define HEP_MAX_PAD_MULTIPLE 1024
+
+typedef struct hep_dispatch_opts {
+    /* inputs */
+    hep_handle *handle;        /* NULL: the one-shot handle of result.handle. Else the layout
+                                  is recorded here (replacing what it held; result.handle is
+                                  then 0) or, with HEP_REUSE_LAYOUT, read from here */
+    hep_layout layout;         /* rank-major (0) or expert-major */
+    int pad_multiple;          /* expert-major: 1..HEP_MAX_PAD_MULTIPLE (0 = 1) */
+    int num_permuted_tokens;   /* expert-major: the row budget, > 0, a multiple of
+                                  pad_multiple: rows of recv_* */
+    void *recv_tokens;         /* caller memory, or NULL (rank-major: the group's view).
+                                  Rank-major: [max_recv_rows, H]; expert-major (required):
+                                  [num_permuted_tokens, H] */
+    float *recv_probs;         /* rank-major: [max_recv_rows, E_l]; expert-major (required):
+                                  [num_permuted_tokens] */
+    float *recv_scales;        /* FP8: [rows, H / 128] (expert-major: required) */
+    /* outputs (valid once the call returned 0 or HEP_WARN_IGNORED) */
+    int num_permuted;          /* expert-major rows written (padding included); rank-major:
+                                  num_recv */
+    int overflow;              /* 1: rows past the budget were dropped */
+    int overflow_rows;         /* token rows dropped (padding not counted) */
+    size_t copy_bytes;         /* bytes this call wrote into caller memory (recv_*) */
+    const int64_t *tokens_per_expert; /* host [E_l]: expert-major padded rows per local
+                                  expert; rank-major: NULL. In the handle's memory: valid
+                                  while the handle holds this layout */
+} hep_dispatch_opts;
+
+/* hep_dispatch with the options above (NULL opts: hep_dispatch). Flags: HEP_ASYNC,
+ * HEP_REUSE_LAYOUT. The result's pointers are the caller's recv_* where given. Errors as
+ * hep_dispatch, and HEP_ERR_INVALID for a handle of another group (or of a destroyed one),
+ * HEP_REUSE_LAYOUT with a handle that holds no layout or a different num_tokens, a bad
+ * pad_multiple or budget, a missing expert-major buffer; HEP_ERR_UNAVAILABLE for what a
+ * backend lacks (the message names it): the GPU kernels implement none of these options
+ * yet; the host backend has all of them except expert-major across processes. */
+int hep_dispatch_ex(hep_group *g, const hep_dispatch_args *a, hep_dispatch_opts *opts,
+                    hep_dispatch_result *out);
+
+typedef struct hep_combine_opts {
+    const hep_handle *handle;  /* the layout to combine with (then args->handle is ignored) */
+    const float *probs_in;     /* NULL, or the probabilities to send back (see above) */
+    float *probs_out;          /* with probs_in: [t, E] f32 */
+} hep_combine_opts;
+
+/* hep_combine with the options above (NULL opts: hep_combine). expert_out is [num_recv, H]
+ * (rank-major) or [num_permuted_tokens, H] (expert-major) BF16 caller memory. Errors as
+ * hep_combine, and HEP_ERR_INVALID for a handle of another group or without a layout,
+ * probs_in without probs_out; HEP_ERR_UNAVAILABLE: the GPU kernels (all options), the host
+ * backend's probabilities across nodes or processes. */
+int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_opts *opts);
 
 /* Where to write expert outputs for a combine without a copy: [max_recv_rows, H] BF16.
  * It shares bytes with the dispatch output tokens: with BF16, output row j is received
@@ -199,6 +306,8 @@ typedef struct hep_group_stats {
      * stream has passed it; 0 when unknown (host backend). */
     uint64_t dispatch_start_ns;    /* the dispatch kernel started */
     uint64_t layout_ready_ns;      /* its layout step (routing scan) was done */
+    uint64_t copy_bytes;           /* bytes dispatches wrote into caller memory (recv_* of
+                                      hep_dispatch_opts), the copying mode's extra traffic */
     char transport[32];            /* the NIC: "none" (N = 1), "loopback" or the device */
 } hep_group_stats;
 

@@ -30,6 +30,9 @@ int hep_ep_setup(hep_group *g)
                             "the host backend supports up to 64 ranks per node, not %d", g->R);
         ((uint64_t *)hep_my_buf(g, HEP_BUF_MAILBOX))[HEP_MB_LOCAL] =
             (uint64_t)(uintptr_t)g->arena[HEP_ARENA_LOCAL];
+        g->own_handle = hep_handle_alloc(g);
+        if (!g->own_handle)
+            return hep_fail(HEP_ERR_NOMEM, "group: out of memory for the dispatch layout");
         if (g->N > 1)
             return hep_proxy_create(g->coord->net, &g->proxy);
         return HEP_OK;
@@ -132,6 +135,8 @@ void hep_ep_teardown(hep_group *g)
     g->proxy = NULL;
     free(g->kargs);
     g->kargs = NULL;
+    hep_handle_destroy(g->own_handle);
+    g->own_handle = NULL;
 }
 
 static int check_ptr(const void *p, size_t align, const char *what)
@@ -159,9 +164,10 @@ static int check_stream(const hep_group *g, void *stream, const char *call)
                     call, g->R);
 }
 
-static int check_dispatch(const hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *o)
+static int check_dispatch(const hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *o,
+                          unsigned allowed)
 {
-    int rc;
+    int rc, reuse;
     if (!g || !a || !o)
         return hep_fail(HEP_ERR_INVALID, "hep_dispatch: NULL group, arguments or result");
     if (g->broken)
@@ -170,20 +176,26 @@ static int check_dispatch(const hep_group *g, const hep_dispatch_args *a, hep_di
     if (a->num_tokens < 0 || a->num_tokens > g->cfg.max_tokens)
         return hep_fail(HEP_ERR_INVALID, "hep_dispatch: num_tokens = %d is not in 0..%d (max_tokens)",
                         a->num_tokens, g->cfg.max_tokens);
-    if (a->topk < 1 || a->topk > g->cfg.max_topk)
+    reuse = (a->flags & HEP_REUSE_LAYOUT) != 0;
+    if (!reuse && (a->topk < 1 || a->topk > g->cfg.max_topk))
         return hep_fail(HEP_ERR_INVALID, "hep_dispatch: topk = %d is not in 1..%d (max_topk)",
                         a->topk, g->cfg.max_topk);
     if ((rc = check_stream(g, a->stream, "hep_dispatch")))
         return rc;
-    if (a->index_type != HEP_INDEX_INT32 && a->index_type != HEP_INDEX_INT64)
+    if (!reuse && a->index_type != HEP_INDEX_INT32 && a->index_type != HEP_INDEX_INT64)
         return hep_fail(HEP_ERR_INVALID, "hep_dispatch: index_type %d is not int32 or int64",
                         (int)a->index_type);
-    if (a->flags & ~HEP_ASYNC)
-        return hep_fail(HEP_ERR_INVALID, "hep_dispatch: flags 0x%x has bits other than HEP_ASYNC",
-                        a->flags);
+    if (a->flags & ~allowed)
+        return hep_fail(HEP_ERR_INVALID, "hep_dispatch: flags 0x%x has bits other than %s",
+                        a->flags, allowed & HEP_REUSE_LAYOUT ? "HEP_ASYNC and HEP_REUSE_LAYOUT"
+                                                            : "HEP_ASYNC");
     if (a->num_tokens == 0)
         return HEP_OK;
-    if ((rc = check_ptr(a->tokens, 16, "hep_dispatch: tokens")) ||
+    if (reuse) {
+        if ((rc = check_ptr(a->tokens, 16, "hep_dispatch: tokens")) ||
+            (a->topk_weights && (rc = check_ptr(a->topk_weights, 4, "hep_dispatch: topk_weights"))))
+            return rc;
+    } else if ((rc = check_ptr(a->tokens, 16, "hep_dispatch: tokens")) ||
         (rc = check_ptr(a->topk_idx, a->index_type == HEP_INDEX_INT64 ? 8 : 4,
                         "hep_dispatch: topk_idx")) ||
         (rc = check_ptr(a->topk_weights, 4, "hep_dispatch: topk_weights")))
@@ -322,7 +334,7 @@ void hep_fill_dispatch_result(hep_group *g, hep_dispatch_result *o)
 int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *o)
 {
     hep_kargs *k;
-    int rc = check_dispatch(g, a, o);
+    int rc = check_dispatch(g, a, o, HEP_ASYNC);
     if (rc)
         return rc;
     if (g->cfg.backend == HEP_BACKEND_HOST)
@@ -357,6 +369,157 @@ int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *
     return rc;
 }
 
+/* The training options of hep_dispatch_ex: 0, or the status that refuses them. */
+static int check_dispatch_opts(hep_group *g, const hep_dispatch_args *a, const hep_dispatch_opts *x)
+{
+    const int reuse = (a->flags & HEP_REUSE_LAYOUT) != 0;
+    const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3;
+    int rc, layout = x->layout, pad = x->pad_multiple > 0 ? x->pad_multiple : 1;
+    if (x->handle && (rc = hep_handle_check(g, x->handle, reuse, "hep_dispatch_ex")))
+        return rc;
+    if (reuse && !x->handle)
+        return hep_fail(HEP_ERR_INVALID, "hep_dispatch_ex: HEP_REUSE_LAYOUT without a handle");
+    if (reuse && a->num_tokens != x->handle->t)
+        return hep_fail(HEP_ERR_INVALID,
+                        "hep_dispatch_ex: num_tokens = %d, but the handle's layout is of %d tokens",
+                        a->num_tokens, x->handle->t);
+    if (reuse) {
+        layout = x->handle->layout;
+        pad = x->handle->pad;
+    } else if (layout != HEP_LAYOUT_RANK_MAJOR && layout != HEP_LAYOUT_EXPERT_MAJOR) {
+        return hep_fail(HEP_ERR_INVALID, "hep_dispatch_ex: layout %d is not rank-major (0) or "
+                        "expert-major (1)", layout);
+    } else if (layout == HEP_LAYOUT_EXPERT_MAJOR &&
+               (x->pad_multiple < 0 || x->pad_multiple > HEP_MAX_PAD_MULTIPLE)) {
+        return hep_fail(HEP_ERR_INVALID, "hep_dispatch_ex: pad_multiple = %d is not in 1..%d",
+                        x->pad_multiple, HEP_MAX_PAD_MULTIPLE);
+    } else if (layout == HEP_LAYOUT_EXPERT_MAJOR &&
+               (x->num_permuted_tokens <= 0 || x->num_permuted_tokens % pad)) {
+        return hep_fail(HEP_ERR_INVALID,
+                        "hep_dispatch_ex: num_permuted_tokens = %d is not a positive multiple of "
+                        "pad_multiple %d",
+                        x->num_permuted_tokens, pad);
+    }
+    if (x->recv_tokens && (rc = check_ptr(x->recv_tokens, 16, "hep_dispatch_ex: recv_tokens")))
+        return rc;
+    if (x->recv_probs && (rc = check_ptr(x->recv_probs, 4, "hep_dispatch_ex: recv_probs")))
+        return rc;
+    if (x->recv_scales && (rc = check_ptr(x->recv_scales, 4, "hep_dispatch_ex: recv_scales")))
+        return rc;
+    if (layout == HEP_LAYOUT_EXPERT_MAJOR &&
+        (!x->recv_tokens || !x->recv_probs || (fp8 && !x->recv_scales)))
+        return hep_fail(HEP_ERR_INVALID,
+                        "hep_dispatch_ex: the expert-major layout writes into caller memory: "
+                        "recv_tokens, recv_probs%s must be given",
+                        fp8 ? " and recv_scales (FP8)" : "");
+    if (g->cfg.backend == HEP_BACKEND_GPU &&
+        (x->handle || layout != HEP_LAYOUT_RANK_MAJOR || x->recv_tokens || x->recv_probs ||
+         x->recv_scales))
+        return hep_fail(HEP_ERR_UNAVAILABLE,
+                        "hep_dispatch_ex: %s is not implemented by the GPU kernels yet (the host "
+                        "backend has it): use hep_dispatch with its one-shot handle and the "
+                        "zero-copy view",
+                        x->handle ? "a caller-owned handle (recording or reusing a layout)"
+                        : layout != HEP_LAYOUT_RANK_MAJOR ? "the expert-major layout"
+                                                          : "writing the outputs into caller memory");
+    if (g->shm && layout == HEP_LAYOUT_EXPERT_MAJOR)
+        return hep_fail(HEP_ERR_UNAVAILABLE,
+                        "hep_dispatch_ex: the expert-major layout needs the node-mates' layouts "
+                        "in one address space: the host backend has it for ranks of one process "
+                        "only, not across processes");
+    return HEP_OK;
+}
+
+int hep_dispatch_ex(hep_group *g, const hep_dispatch_args *a, hep_dispatch_opts *x,
+                    hep_dispatch_result *o)
+{
+    int rc;
+    if (!x)
+        return hep_dispatch(g, a, o);
+    if ((rc = check_dispatch(g, a, o, HEP_ASYNC | HEP_REUSE_LAYOUT)) ||
+        (rc = check_dispatch_opts(g, a, x)))
+        return rc;
+    if (g->cfg.backend == HEP_BACKEND_GPU) { /* no option set: the plain dispatch */
+        rc = hep_dispatch(g, a, o);
+        x->num_permuted = o->num_recv;
+        x->overflow = x->overflow_rows = 0;
+        x->copy_bytes = 0;
+        x->tokens_per_expert = NULL;
+        return rc;
+    }
+    rc = hep_host_dispatch_ex(g, a, x, x->handle ? x->handle : g->own_handle, o);
+    if (!x->handle && (rc == HEP_OK || rc == HEP_WARN_IGNORED))
+        o->handle = g->last_handle = hep_handle_of(g, g->epoch); /* one-shot, as hep_dispatch */
+    return rc;
+}
+
+/* What combine needs from its caller, given the layout h it combines with. */
+static int check_combine_buffers(const hep_group *g, const hep_combine_args *a, int t, int rows)
+{
+    int rc;
+    (void)g;
+    if (t > 0 && ((rc = check_ptr(a->out, 16, "hep_combine: out")) ||
+                  (rc = check_ptr(a->expert_out, 16, "hep_combine: expert_out"))))
+        return rc;
+    if (t == 0 && rows > 0 && (rc = check_ptr(a->expert_out, 16, "hep_combine: expert_out")))
+        return rc;
+    return HEP_OK;
+}
+
+int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_opts *c)
+{
+    const hep_handle *h;
+    int rc;
+    if (!c)
+        return hep_combine(g, a);
+    if (!g || !a)
+        return hep_fail(HEP_ERR_INVALID, "hep_combine: NULL group or arguments");
+    if (g->broken)
+        return hep_fail(HEP_ERR_TIMEOUT, "group is unusable after an earlier failure: %s",
+                        g->broken_msg);
+    if (a->flags & ~HEP_ASYNC)
+        return hep_fail(HEP_ERR_INVALID, "hep_combine: flags 0x%x has bits other than HEP_ASYNC",
+                        a->flags);
+    if (!c->handle && !c->probs_in && !c->probs_out)
+        return hep_combine(g, a); /* no option set */
+    if (g->cfg.backend == HEP_BACKEND_GPU)
+        return hep_fail(HEP_ERR_UNAVAILABLE,
+                        "hep_combine_ex: %s is not implemented by the GPU kernels yet (the host "
+                        "backend has it): use hep_combine with the one-shot handle",
+                        c->handle ? "combining with a caller-owned handle"
+                                  : "carrying probabilities back through combine");
+    if ((rc = check_stream(g, a->stream, "hep_combine")))
+        return rc;
+    if (!c->handle && g->last_handle == 0)
+        return hep_fail(HEP_ERR_INVALID,
+                        "hep_combine_ex: no handle given, and the group holds no one-shot "
+                        "dispatch to combine (it was combined, or recorded into a handle)");
+    if (!c->handle && a->handle != g->last_handle)
+        return hep_fail(HEP_ERR_INVALID,
+                        "hep_combine: handle 0x%llx is not this group's last dispatch's (0x%llx)",
+                        (unsigned long long)a->handle, (unsigned long long)g->last_handle);
+    h = c->handle ? c->handle : g->own_handle;
+    if ((rc = hep_handle_check(g, h, 1, "hep_combine_ex")))
+        return rc;
+    if (!c->probs_in != !c->probs_out)
+        return hep_fail(HEP_ERR_INVALID, "hep_combine_ex: probs_in and probs_out go together "
+                        "(one of them is NULL)");
+    if (c->probs_in && (g->N > 1 || g->shm))
+        return hep_fail(HEP_ERR_UNAVAILABLE,
+                        "hep_combine_ex: probabilities through combine are implemented for ranks "
+                        "of one process on one node only (this group has %d nodes%s)",
+                        g->N, g->shm ? ", its ranks in several processes" : "");
+    if (c->probs_out && h->t > 0 && (rc = check_ptr(c->probs_out, 4, "hep_combine_ex: probs_out")))
+        return rc;
+    if ((rc = check_combine_buffers(g, a, h->t,
+                                    h->layout == HEP_LAYOUT_EXPERT_MAJOR ? h->num_permuted : 0)))
+        return rc;
+    rc = hep_host_combine_ex(g, a, c);
+    if (!c->handle)
+        g->last_handle = 0; /* the one-shot handle: once */
+    return rc;
+}
+
 int hep_combine(hep_group *g, const hep_combine_args *a)
 {
     hep_kargs *k;
@@ -376,8 +539,10 @@ int hep_combine(hep_group *g, const hep_combine_args *a)
                         (unsigned long long)a->handle, (unsigned long long)g->last_handle);
     if ((rc = check_stream(g, a->stream, "hep_combine")))
         return rc;
-    if (g->last_t > 0 && ((rc = check_ptr(a->out, 16, "hep_combine: out")) ||
-                          (rc = check_ptr(a->expert_out, 16, "hep_combine: expert_out"))))
+    if ((rc = check_combine_buffers(g, a, g->last_t,
+                                    g->own_handle && g->own_handle->layout == HEP_LAYOUT_EXPERT_MAJOR
+                                        ? g->own_handle->num_permuted
+                                        : 0)))
         return rc;
     if (g->cfg.backend == HEP_BACKEND_HOST)
         rc = hep_host_combine(g, a);
@@ -412,6 +577,7 @@ void *hep_combine_input(hep_group *g)
 void hep_ep_fill_stats(const hep_group *g, hep_group_stats *s)
 {
     hep_proxy_peer_stats x;
+    s->copy_bytes = g->copy_bytes;
     for (int p = 0; g->proxy && p < g->world; p++) {
         hep_proxy_stats(g->proxy, p, &x);
         s->net_bytes += x.bytes;

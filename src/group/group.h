@@ -15,6 +15,8 @@
  * node-mates, who read it in the same address space. */
 enum { HEP_MB_TOKENS, HEP_MB_SCALES, HEP_MB_IDX, HEP_MB_WEIGHTS, HEP_MB_T, HEP_MB_K,
        HEP_MB_INDEX64, HEP_MB_COMBINE_IN, HEP_MB_LOCAL,
+       HEP_MB_HANDLE,   /* combine: the hep_handle it combines with (ranks of one process) */
+       HEP_MB_PROBS_IN, /* combine: its probs_in, or 0 */
        HEP_MB_DEPARTED = 16 /* [R]: node-mate l entered destroy (it no longer reads here) */ };
 
 /* Test hooks of group creation (internal; not part of the public ABI). */
@@ -47,6 +49,9 @@ struct hep_group {
     int last_recv;                  /* rows received by it (host backend, sync mode) */
     uint64_t last_handle;           /* hep_handle_of(epoch of the last dispatch), 0 after combine */
     uint64_t handle_tag;            /* this group's tag in its handles */
+    struct hep_handle *own_handle;  /* host backend: the layout of a one-shot dispatch */
+    uint64_t copy_bytes;            /* written into caller memory by dispatches */
+    int last_call;                  /* host backend: 1 dispatch, 2 combine, 0 none yet */
     int broken;                     /* a timeout left the flags inconsistent */
     char broken_msg[1024];
 };
@@ -61,6 +66,35 @@ void hep_ep_fill_stats(const hep_group *g, hep_group_stats *s);
 /* ref/host_backend.c: the host backend's halves of dispatch and combine */
 int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *out);
 int hep_host_combine(hep_group *g, const hep_combine_args *a);
+/* With the training options (group/ep.c checked them; h is the handle to record into, or
+ * for reuse the one to read, never NULL; c->handle the one to combine with). */
+int hep_host_dispatch_ex(hep_group *g, const hep_dispatch_args *a, hep_dispatch_opts *x,
+                         struct hep_handle *h, hep_dispatch_result *out);
+int hep_host_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_opts *c);
+/* A dispatch's layout as a later combine (or a dispatch with HEP_REUSE_LAYOUT) needs it.
+ * The host backend fills every field; a GPU implementation would keep device pointers of
+ * its own here (see docs/architecture.md, "Handles"). */
+struct hep_handle {
+    uint64_t tag;        /* the creating group's handle_tag */
+    uint64_t epoch;      /* the group's dispatch count when it was recorded; 0: empty */
+    int T, kmax, W, El, N;   /* the shape its arrays were sized for */
+    int t, topk, recv;   /* tokens and slots of the dispatch; rows it received */
+    int layout, pad, budget; /* hep_layout, pad_multiple, num_permuted_tokens */
+    int num_permuted, overflow, overflow_rows;
+    int *ids;            /* [T][kmax] the dispatch's routing (invalid ids and unused as -1) */
+    float *w;            /* [T][kmax] its weights (0 past topk) */
+    float *w_scratch;    /* [T][kmax] a reuse's caller weights widened to kmax */
+    int *base;           /* [W + 1] row of the first token of each source rank, then recv */
+    int *ebase;          /* [W][El] expert-major: each source's first position in block e */
+    int64_t *tpe;        /* [El] expert-major: padded rows per expert as written */
+    int *slot_t;         /* [N] N > 1: tokens of each other node's slot at this rank ... */
+    int *slot_ids;       /* [N][T][kmax] ... and their routing */
+};
+/* group/handle.c */
+struct hep_handle *hep_handle_alloc(const hep_group *g);
+/* 0 if h was created by g and (filled) holds a layout, else HEP_ERR_INVALID naming why. */
+int hep_handle_check(const hep_group *g, const struct hep_handle *h, int filled, const char *call);
+
 /* group/wire.c: the proxy's chunks (net/proxy.h) of the inter-node path */
 struct hep_proxy_chunk;
 int hep_slot_of(int node, int at_node); /* index of `node`'s slot at a rank of `at_node` */

@@ -282,16 +282,235 @@ static int send_dispatch(hep_group *g, const hep_dispatch_args *a, uint64_t e)
     return rc ? rc : hep_proxy_wait(g->proxy);
 }
 
+/* Expert e's positions of its local experts that token i of v chose, ascending, distinct
+ * (at most 32). */
+static int local_experts(const hep_group *g, const view *v, int i, int r, int *es)
+{
+    const int El = g->cfg.experts_per_rank;
+    const long long first = (long long)r * El;
+    int n = 0;
+    for (int k = 0; k < kslots(v); k++) {
+        long long x = id_at(v, i, k);
+        int e, q;
+        if (x < first || x >= first + El)
+            continue;
+        e = (int)(x - first);
+        for (q = 0; q < n && es[q] < e; q++)
+            ;
+        if (q < n && es[q] == e)
+            continue;
+        memmove(es + q + 1, es + q, (size_t)(n - q) * sizeof(int));
+        es[q] = e;
+        n++;
+    }
+    return n;
+}
+
+static float weight_on(const hep_group *g, const view *v, int i, long long x)
+{
+    float p = 0;
+    (void)g;
+    for (int k = 0; k < kslots(v); k++)
+        if (id_at(v, i, k) == x)
+            p += w_at(v, i, k);
+    return p;
+}
+
+/* Source s of this rank's receive order, as dispatch reads it (the slots are complete). */
+static void source_view(hep_group *g, int ns, int l, view *v)
+{
+    if (ns == g->node)
+        own_view(g, l, v);
+    else
+        slot_view(g, l, ns, v);
+}
+
+/* Expert-major outputs (hybridep.h, "Layouts"): every (token, local expert) row written at
+ * its position in caller memory, padding zeroed, rows at or past the budget dropped.
+ * cnt[e]: received tokens with a slot on e. Fills h's ebase / tpe / counts. */
+static size_t permute(hep_group *g, hep_handle *h, const int *cnt, const hep_dispatch_opts *x)
+{
+    const int El = g->cfg.experts_per_rank, H = g->cfg.hidden;
+    const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3, pad = h->pad, budget = h->budget;
+    const size_t rb = (size_t)H * (fp8 ? 1 : 2), ns = (size_t)H / HEP_FP8_BLOCK;
+    const size_t row_bytes = rb + sizeof(float) + (fp8 ? ns * sizeof(float) : 0);
+    unsigned char *tok = x->recv_tokens;
+    long long *run = malloc(sizeof(long long) * (size_t)El), pos = 0;
+    size_t written = 0;
+    int dropped = 0, es[32];
+    if (!run)
+        return (size_t)-1;
+    for (int e = 0; e < El; e++) {
+        run[e] = pos;
+        pos += (cnt[e] + pad - 1) / pad * (long long)pad;
+    }
+    for (int e = 0; e < El; e++) { /* padding rows and the clipped block sizes */
+        long long start = run[e], end = start + (cnt[e] + pad - 1) / pad * (long long)pad;
+        for (long long p = start + cnt[e]; p < end && p < budget; p++) {
+            memset(tok + (size_t)p * rb, 0, rb);
+            x->recv_probs[p] = 0;
+            if (fp8)
+                memset(x->recv_scales + (size_t)p * ns, 0, ns * sizeof(float));
+            written += row_bytes;
+        }
+        h->tpe[e] = end <= budget ? end - start : start < budget ? budget - start : 0;
+    }
+    h->num_permuted = (int)(pos < budget ? pos : budget);
+    h->overflow = pos > budget;
+    for (int sn = 0; sn < g->N; sn++)
+        for (int l = 0; l < g->R; l++) {
+            const int src = sn * g->R + l;
+            view v;
+            source_view(g, sn, l, &v);
+            for (int e = 0; e < El; e++)
+                h->ebase[(size_t)src * (size_t)El + (size_t)e] = (int)run[e];
+            for (int i = 0; i < v.t; i++) {
+                int n = local_experts(g, &v, i, g->rank, es);
+                for (int q = 0; q < n; q++) {
+                    long long p = run[es[q]]++;
+                    if (p >= budget) {
+                        dropped++;
+                        continue;
+                    }
+                    memcpy(tok + (size_t)p * rb, v.tokens + (size_t)i * rb, rb);
+                    x->recv_probs[p] =
+                        weight_on(g, &v, i, (long long)g->rank * El + es[q]);
+                    if (fp8)
+                        memcpy(x->recv_scales + (size_t)p * ns, v.scales + (size_t)i * ns,
+                               ns * sizeof(float));
+                    written += row_bytes;
+                }
+            }
+        }
+    h->overflow_rows = dropped;
+    free(run);
+    return written;
+}
+
+/* The layout a later combine needs, from the group's buffers of this dispatch. */
+static void record(hep_group *g, hep_handle *h, const hep_dispatch_args *a, uint64_t e, int rows)
+{
+    const size_t kmax = (size_t)g->cfg.max_topk, T = (size_t)g->cfg.max_tokens;
+    view mine;
+    own_view(g, g->local, &mine);
+    h->epoch = e;
+    h->t = a->num_tokens;
+    h->topk = a->topk;
+    h->recv = rows;
+    memcpy(h->ids, hep_my_buf(g, HEP_BUF_HANDLE_IDS), sizeof(int) * (size_t)h->t * kmax);
+    for (int i = 0; i < h->t; i++)
+        for (size_t k = 0; k < kmax; k++)
+            h->w[(size_t)i * kmax + k] = (int)k < a->topk ? w_at(&mine, i, (int)k) : 0.f;
+    memcpy(h->base, hep_my_buf(g, HEP_BUF_HANDLE_META), sizeof(int) * (size_t)(g->world + 1));
+    for (int m = 0; m < g->N; m++) {
+        view v;
+        if (m == g->node)
+            continue;
+        slot_view(g, g->local, m, &v);
+        h->slot_t[m] = v.t;
+        memcpy(h->slot_ids + (size_t)m * T * kmax, v.ids, sizeof(int) * (size_t)v.t * kmax);
+    }
+}
+
+/* HEP_REUSE_LAYOUT: the recorded routing as the arguments of a dispatch (kmax slots of
+ * int32, invalid ids already -1), with the caller's weights widened if it gave some. */
+static void reuse_args(hep_handle *h, const hep_dispatch_args *a, hep_dispatch_args *b)
+{
+    const size_t kmax = (size_t)h->kmax;
+    *b = *a;
+    b->num_tokens = h->t;
+    b->topk_idx = h->ids;
+    b->index_type = HEP_INDEX_INT32;
+    b->topk = h->kmax;
+    b->topk_weights = h->w;
+    if (a->topk_weights) {
+        for (int i = 0; i < h->t; i++)
+            for (size_t k = 0; k < kmax; k++)
+                h->w_scratch[(size_t)i * kmax + k] =
+                    (int)k < h->topk ? a->topk_weights[(size_t)i * (size_t)h->topk + k] : 0.f;
+        b->topk_weights = h->w_scratch;
+    }
+}
+
+/* Rank-major outputs into caller memory, where the caller gave some. */
+static size_t copy_out(hep_group *g, int rows, hep_dispatch_opts *x)
+{
+    const int El = g->cfg.experts_per_rank, H = g->cfg.hidden;
+    const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3;
+    const size_t rb = (size_t)H * (fp8 ? 1 : 2), n = (size_t)rows;
+    const size_t sb = n * (size_t)(H / HEP_FP8_BLOCK) * sizeof(float);
+    size_t bytes = 0;
+    if (x->recv_tokens) {
+        memcpy(x->recv_tokens, hep_my_buf(g, HEP_BUF_TOKEN_X), n * rb);
+        bytes += n * rb;
+    }
+    if (x->recv_probs) {
+        memcpy(x->recv_probs, hep_my_buf(g, HEP_BUF_RECV_PROB), n * (size_t)El * sizeof(float));
+        bytes += n * (size_t)El * sizeof(float);
+    }
+    if (fp8 && x->recv_scales) {
+        memcpy(x->recv_scales, hep_my_buf(g, HEP_BUF_RECV_SCALE), sb);
+        bytes += sb;
+    }
+    return bytes;
+}
+
 int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *o)
 {
+    hep_dispatch_opts x;
+    int rc;
+    memset(&x, 0, sizeof(x));
+    rc = hep_host_dispatch_ex(g, a, &x, g->own_handle, o);
+    if (rc == HEP_OK || rc == HEP_WARN_IGNORED)
+        o->handle = g->last_handle = hep_handle_of(g, g->epoch);
+    return rc;
+}
+
+/* Across nodes the receive slots of a call are written by the peers of the other nodes,
+ * with nothing that waits for this rank to have read the previous call's: between a
+ * dispatch and a combine the other call's data dependency orders them (a peer cannot finish
+ * the combine before this rank's partial sums, sent after its dispatch), but two calls of
+ * one kind in a row (possible with handles) need that order made: a barrier. */
+static int order_same_kind(hep_group *g, int kind)
+{
+    int rc = HEP_OK, prev = g->last_call;
+    g->last_call = kind;
+    if (g->N > 1 && prev == kind) {
+        rc = g->bs.barrier(g->bs.ctx);
+        if (rc) {
+            snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", hep_last_error());
+            g->broken = 1;
+        }
+    }
+    return rc;
+}
+
+int hep_host_dispatch_ex(hep_group *g, const hep_dispatch_args *a0, hep_dispatch_opts *x,
+                         hep_handle *h, hep_dispatch_result *o)
+{
     const int El = g->cfg.experts_per_rank, W = g->world;
+    const int reuse = (a0->flags & HEP_REUSE_LAYOUT) != 0;
     uint64_t *mb = mailbox_of(g, g->local), e = g->epoch + 1;
     int *host_counts = (int *)hep_my_buf(g, HEP_BUF_HOST_COUNTS);
     int *base = (int *)hep_my_buf(g, HEP_BUF_HANDLE_META); /* my row base per source rank */
     int row = 0, rc, tok = 0, slot = 0, bad;
     long long val = 0;
+    size_t copied = 0;
+    hep_dispatch_args b;
+    const hep_dispatch_args *a = a0;
     view mine;
 
+    if ((rc = order_same_kind(g, 1)))
+        return rc;
+    if (reuse) {
+        reuse_args(h, a0, &b);
+        a = &b;
+    } else {
+        h->epoch = 0; /* holds no layout until this dispatch has recorded it */
+        h->layout = x->layout;
+        h->pad = x->pad_multiple > 0 ? x->pad_multiple : 1;
+        h->budget = x->num_permuted_tokens;
+    }
     if (g->shm)
         hep_shm_stage_inputs(g, a); /* node-mates in other processes read the copy */
     mb[HEP_MB_TOKENS] = (uint64_t)(uintptr_t)a->tokens;
@@ -331,22 +550,50 @@ int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_res
     own_view(g, g->local, &mine);
     bad = first_invalid(g, &mine, &tok, &slot, &val);
     record_ids(g, &mine);
-    /* nobody may return (and free its inputs) while another still reads them */
-    __atomic_store_n(flags_of(g, g->local) + DONE_DISPATCH, e, __ATOMIC_RELEASE);
-    rc = wait_mates(g, DONE_DISPATCH, e, "the node-mates to finish reading");
+    if (h->layout == HEP_LAYOUT_EXPERT_MAJOR) { /* the sources are still readable here */
+        copied = permute(g, h, host_counts + 1, x);
+        if (copied == (size_t)-1)
+            rc = hep_fail(HEP_ERR_NOMEM, "dispatch: out of memory");
+    } else {
+        copied = copy_out(g, row, x);
+    }
+    if (!reuse) {
+        h->epoch = 0; /* until recorded below */
+        record(g, h, a, e, row);
+    }
+    /* nobody may return (and free its inputs) while another still reads them; a rank that
+     * failed above (out of memory) still arrives, so that its node-mates finish */
+    {
+        int drc = HEP_OK;
+        __atomic_store_n(flags_of(g, g->local) + DONE_DISPATCH, e, __ATOMIC_RELEASE);
+        drc = wait_mates(g, DONE_DISPATCH, e, "the node-mates to finish reading");
+        if (rc == HEP_OK)
+            rc = drc;
+    }
     if (rc)
         return rc;
     g->epoch = e;
     g->last_t = a->num_tokens;
     g->last_recv = row;
-    g->last_handle = hep_handle_of(g, e);
+    g->last_handle = 0; /* the one-shot value: set by hep_host_dispatch */
+    g->copy_bytes += copied;
     hep_fill_dispatch_result(g, o);
     o->num_recv_device = host_counts;
     o->tokens_per_expert_device = host_counts + 1;
     /* as documented for HEP_ASYNC (and as the GPU path does): counts only in the buffers */
     o->num_recv = a->flags & HEP_ASYNC ? -1 : row;
-    o->handle = g->last_handle;
-    if (bad) /* the dispatch happened: the caller must go on to combine */
+    x->copy_bytes = copied;
+    x->num_permuted = h->layout == HEP_LAYOUT_EXPERT_MAJOR ? h->num_permuted : row;
+    x->overflow = h->layout == HEP_LAYOUT_EXPERT_MAJOR ? h->overflow : 0;
+    x->overflow_rows = h->layout == HEP_LAYOUT_EXPERT_MAJOR ? h->overflow_rows : 0;
+    x->tokens_per_expert = h->layout == HEP_LAYOUT_EXPERT_MAJOR ? h->tpe : NULL;
+    if (x->recv_tokens)
+        o->tokens = x->recv_tokens;
+    if (x->recv_probs)
+        o->probs = x->recv_probs;
+    if (x->recv_scales && o->scales)
+        o->scales = x->recv_scales;
+    if (bad && !reuse) /* the dispatch happened: the caller must go on to combine */
         return hep_fail(HEP_WARN_IGNORED,
                         "dispatch on rank %d: topk_idx[%d][%d] = %lld is not -1 or an expert id "
                         "in 0..%d (that slot was ignored)",
@@ -379,29 +626,79 @@ static void acc_clear(float *acc, size_t H)
         acc[c] = -0.0f;
 }
 
-/* acc[0..H) += the rows of token i of v at the node-mates that received it, where `next`
- * counts, per node-mate, the tokens of that source routed to it so far. */
-static void add_node_share(hep_group *g, const view *v, int i, int src, int *next, float *acc)
+/* What one combine reads: the running positions per node-mate (rank-major: next[l] tokens
+ * of the current source so far; expert-major: enext[l][e] per local expert) and where the
+ * probabilities go. */
+typedef struct combine_ctx {
+    int next[HEP_MAX_LOCAL];
+    int *enext;       /* [R][El] */
+    float *pout;      /* [E] the current token's probs_out row, or NULL */
+} combine_ctx;
+
+static void ctx_reset(hep_group *g, combine_ctx *c)
 {
-    const int H = g->cfg.hidden;
+    memset(c->next, 0, sizeof(c->next));
+    memset(c->enext, 0, sizeof(int) * (size_t)g->R * (size_t)g->cfg.experts_per_rank);
+}
+
+/* acc[0..H) += the rows of token i of v (from source rank src) at the node-mates that
+ * received it, ascending local rank, and within an expert-major node-mate ascending local
+ * expert; the probabilities of those rows into c->pout. */
+static void add_node_share(hep_group *g, const view *v, int i, int src, combine_ctx *c,
+                           float *acc)
+{
+    const int H = g->cfg.hidden, El = g->cfg.experts_per_rank;
     for (int l = 0; l < g->R; l++) {
-        int d = g->node * g->R + l;
+        int d = g->node * g->R + l, es[32], n;
         const int *mbase = (const int *)mate_local(g, l, HEP_BUF_HANDLE_META);
-        const uint16_t *x;
+        const hep_handle *mh =
+            g->shm ? NULL : (const hep_handle *)(uintptr_t)mailbox_of(g, l)[HEP_MB_HANDLE];
+        const float *pin =
+            g->shm ? NULL : (const float *)(uintptr_t)mailbox_of(g, l)[HEP_MB_PROBS_IN];
+        const uint16_t *rows, *x;
         if (!needs_rank(g, v, i, d))
             continue;
-        x = (const uint16_t *)(g->shm ? hep_peer_buf(g, l, HEP_BUF_TOKEN_X)
-                                      : (char *)(uintptr_t)mailbox_of(g, l)[HEP_MB_COMBINE_IN]) +
-            (size_t)(mbase[src] + next[l]++) * (size_t)H;
-        for (int c = 0; c < H; c++)
-            acc[c] += bf16_f32(x[c]);
+        rows = (const uint16_t *)(g->shm ? hep_peer_buf(g, l, HEP_BUF_TOKEN_X)
+                                         : (char *)(uintptr_t)mailbox_of(g, l)[HEP_MB_COMBINE_IN]);
+        n = local_experts(g, v, i, d, es);
+        if (!mh || mh->layout != HEP_LAYOUT_EXPERT_MAJOR) {
+            size_t j = (size_t)(mbase[src] + c->next[l]++);
+            x = rows + j * (size_t)H;
+            for (int ch = 0; ch < H; ch++)
+                acc[ch] += bf16_f32(x[ch]);
+            for (int q = 0; c->pout && pin && q < n; q++)
+                c->pout[(size_t)d * (size_t)El + (size_t)es[q]] = pin[j * (size_t)El + (size_t)es[q]];
+            continue;
+        }
+        for (int q = 0; q < n; q++) {
+            int *en = &c->enext[(size_t)l * (size_t)El + (size_t)es[q]];
+            long long p = (long long)mh->ebase[(size_t)src * (size_t)El + (size_t)es[q]] + (*en)++;
+            if (p >= mh->budget)
+                continue; /* dropped at dispatch: contributes nothing */
+            x = rows + (size_t)p * (size_t)H;
+            for (int ch = 0; ch < H; ch++)
+                acc[ch] += bf16_f32(x[ch]);
+            if (c->pout && pin)
+                c->pout[(size_t)d * (size_t)El + (size_t)es[q]] = pin[p];
+        }
     }
 }
 
 int hep_host_combine(hep_group *g, const hep_combine_args *a)
 {
+    hep_combine_opts c;
+    memset(&c, 0, sizeof(c));
+    c.handle = g->own_handle;
+    return hep_host_combine_ex(g, a, &c);
+}
+
+int hep_host_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_opts *co)
+{
     const size_t T = (size_t)g->cfg.max_tokens, H = (size_t)g->cfg.hidden, rb2 = H * 2;
-    const uint64_t e = g->epoch;
+    const size_t E = (size_t)g->cfg.experts_per_rank * (size_t)g->world;
+    const size_t kmax = (size_t)g->cfg.max_topk;
+    const hep_handle *h = co->handle;
+    const uint64_t e = ++g->combine_epoch; /* combines repeat a dispatch: their own count */
     uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_C_OUT_FLAGS);
     const uint64_t *in = (const uint64_t *)hep_my_buf(g, HEP_BUF_C_GROUP_FLAGS);
     uint16_t *red = (uint16_t *)hep_my_buf(g, HEP_BUF_C_RED_TOKEN);
@@ -409,15 +706,31 @@ int hep_host_combine(hep_group *g, const hep_combine_args *a)
     float *acc = malloc(sizeof(float) * H);
     hep_proxy_chunk *ch = malloc(sizeof(hep_proxy_chunk) * 2 * (size_t)g->N);
     int *knode = calloc((size_t)g->N, sizeof(int));
-    int n = 0, rc, next[HEP_MAX_LOCAL];
+    combine_ctx cx;
+    int n = 0, rc;
     view mine;
+    uint64_t *mb = mailbox_of(g, g->local);
 
-    if (!acc || !ch || !knode) {
+    memset(&cx, 0, sizeof(cx));
+    if ((rc = order_same_kind(g, 2))) {
         free(acc), free(ch), free(knode);
+        return rc;
+    }
+    cx.enext = calloc((size_t)g->R * (size_t)g->cfg.experts_per_rank, sizeof(int));
+    if (!acc || !ch || !knode || !cx.enext) {
+        free(acc), free(ch), free(knode), free(cx.enext);
         return hep_fail(HEP_ERR_NOMEM, "combine: out of memory");
     }
-    mailbox_of(g, g->local)[HEP_MB_COMBINE_IN] =
+    /* the handle's layout where node-mates read it (the group's buffers hold the last
+     * dispatch's, which may be another handle's) */
+    memcpy(hep_my_buf(g, HEP_BUF_HANDLE_META), h->base, sizeof(int) * (size_t)(g->world + 1));
+    memcpy(hep_my_buf(g, HEP_BUF_HANDLE_IDS), h->ids, sizeof(int) * (size_t)h->t * kmax);
+    g->last_t = h->t;
+    g->last_recv = h->recv;
+    mb[HEP_MB_COMBINE_IN] =
         (uint64_t)(uintptr_t)(a->expert_out ? a->expert_out : hep_my_buf(g, HEP_BUF_TOKEN_X));
+    mb[HEP_MB_HANDLE] = (uint64_t)(uintptr_t)h;
+    mb[HEP_MB_PROBS_IN] = (uint64_t)(uintptr_t)co->probs_in;
     if (g->shm) /* across processes node-mates read this rank's exchange.token */
         hep_shm_stage_combine_input(g, a->expert_out, g->last_recv);
     __atomic_store_n(flags_of(g, g->local) + HEP_FLAG_COMBINE_READY, e, __ATOMIC_RELEASE);
@@ -428,11 +741,15 @@ int hep_host_combine(hep_group *g, const hep_combine_args *a)
         view v;
         if (m == g->node)
             continue;
-        slot_view(g, g->local, m, &v);
-        memset(next, 0, sizeof(next));
+        memset(&v, 0, sizeof(v)); /* that slot's routing as the handle's dispatch saw it */
+        v.slot = 1;
+        v.kmax = (int)kmax;
+        v.t = h->slot_t[m];
+        v.ids = h->slot_ids + (size_t)m * T * kmax;
+        ctx_reset(g, &cx);
         for (int k = 0; k < v.t; k++) {
             acc_clear(acc, H);
-            add_node_share(g, &v, k, src, next, acc);
+            add_node_share(g, &v, k, src, &cx, acc);
             for (size_t c = 0; c < H; c++)
                 red[((size_t)s * T + (size_t)k) * H + c] = f32_bf16(acc[c]);
         }
@@ -455,11 +772,14 @@ int hep_host_combine(hep_group *g, const hep_combine_args *a)
             rc = wait_ge(g, (volatile uint64_t *)&in[g->N + hep_slot_of(m, g->node)], e,
                          m * g->R + g->local, "its partial sums");
     recorded_view(g, &mine);
-    memset(next, 0, sizeof(next));
+    ctx_reset(g, &cx);
     for (int i = 0; rc == HEP_OK && i < g->last_t; i++) {
         uint16_t *out = (uint16_t *)a->out + (size_t)i * H;
+        cx.pout = co->probs_out ? co->probs_out + (size_t)i * E : NULL;
+        if (cx.pout)
+            memset(cx.pout, 0, E * sizeof(float));
         acc_clear(acc, H);
-        add_node_share(g, &mine, i, g->rank, next, acc);
+        add_node_share(g, &mine, i, g->rank, &cx, acc);
         for (int m = 0; m < g->N; m++) {
             const uint16_t *p;
             if (m == g->node || !needs_node(g, &mine, i, m))
@@ -474,6 +794,7 @@ int hep_host_combine(hep_group *g, const hep_combine_args *a)
     free(acc);
     free(ch);
     free(knode);
+    free(cx.enext);
     if (rc)
         return rc;
     __atomic_store_n(flags_of(g, g->local) + DONE_COMBINE, e, __ATOMIC_RELEASE);
