@@ -336,6 +336,7 @@ int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *
     k->topk_idx = a->topk_idx;
     k->weights = a->topk_weights;
     k->timeout_ns = hep_timeout_ns(); /* capped: the kernels' bound arithmetic cannot wrap */
+    k->jitter_ns = hep_env_get()->jitter_us * 1000ull; /* stress runs only; 0 by default */
     if (g->N > 1) {
         rc = start_network(g, 0, g->cfg.dispatch_sms, a->stream, g->epoch + 1);
         if (rc)

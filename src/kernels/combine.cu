@@ -195,6 +195,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     const unsigned long long e = *a.epoch;
     __shared__ const char *s_x[HEP_GPU_MAX_LOCAL]; /* see k_dispatch */
     __shared__ int s_last;
+    block_start_jitter(a, e);
     if (tid < R)
         s_x[tid] = a.x[tid];
 #ifndef HEP_STATIC_TOKENS

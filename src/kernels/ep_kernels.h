@@ -81,6 +81,8 @@ typedef struct hep_kargs {
     int node, N, T, kmax;            /* N > 1: this rank's node, the nodes, slot sizes */
     int peers_sys;                   /* 1: a node-mate is on another GPU (system-scope sync) */
     unsigned long long timeout_ns;
+    unsigned long long jitter_ns;    /* 0, or HEP_DEBUG_JITTER_US in ns: each block starts after a
+                                        pseudo-random delay of 0..jitter_ns (stress runs) */
     /* inputs */
     const void *tokens;
     const float *scales;

@@ -55,6 +55,7 @@ static int ready_at(hep_proxy *p, int i)
     hep_proxy_chunk *c = &p->chunks[i];
     if (p->resolved[i])
         return 1;
+    hep_debug_jitter(); /* stress runs: the ready word read late */
     if (!ready_raw(c, p->epoch))
         return 0;
     if (c->desc) {
