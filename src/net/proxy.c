@@ -44,9 +44,17 @@ static void batch_fail(hep_proxy *p, int rc, const char *msg)
     snprintf(p->msg, sizeof(p->msg), "%s", msg);
 }
 
-static int ready_raw(const hep_proxy_chunk *c, uint64_t e)
+/* The producer (a kernel through host-mapped memory, or a host thread) writes a chunk's
+ * extent, then its ready word with release semantics (the kernels: __threadfence_system,
+ * then st.release.sys). The proxy reads them the other way round: ready with acquire
+ * first, the extent after it. The extent words were plain volatile reads, which C11 does
+ * not order after the acquire (a data race in its terms; x86 does not reorder loads, so
+ * it was not a failure there, but the compiler and other hosts may): they are atomic loads
+ * now. An extent of the previous call can then be read only with that call's ready word,
+ * and then the chunk is not ready. */
+static uint64_t ready_value(const hep_proxy_chunk *c)
 {
-    return __atomic_load_n((const uint64_t *)c->ready, __ATOMIC_ACQUIRE) >= e;
+    return __atomic_load_n((const uint64_t *)c->ready, __ATOMIC_ACQUIRE);
 }
 
 /* Ready, and its extent known: a descriptor is read once, after the acquire of ready. */
@@ -56,10 +64,11 @@ static int ready_at(hep_proxy *p, int i)
     if (p->resolved[i])
         return 1;
     hep_debug_jitter(); /* stress runs: the ready word read late */
-    if (!ready_raw(c, p->epoch))
+    if (ready_value(c) < p->epoch)
         return 0;
     if (c->desc) {
-        uint64_t first = c->desc[0], count = c->desc[1];
+        uint64_t first = __atomic_load_n((const uint64_t *)&c->desc[0], __ATOMIC_RELAXED);
+        uint64_t count = __atomic_load_n((const uint64_t *)&c->desc[1], __ATOMIC_RELAXED);
         if (c->unit == 0 || first > c->len / c->unit || count > c->len / c->unit - first) {
             char m[512];
             snprintf(m, sizeof(m),
@@ -187,7 +196,7 @@ static int step(hep_proxy *p)
                          p->net->rank, i, p->chunks[i].name ? p->chunks[i].name : "?",
                          p->chunks[i].peer, (unsigned long long)hep_env_get()->timeout_ms,
                          (unsigned long long)p->epoch,
-                         (unsigned long long)*p->chunks[i].ready);
+                         (unsigned long long)ready_value(&p->chunks[i]));
                 break;
             }
         batch_fail(p, HEP_ERR_TIMEOUT, m);
