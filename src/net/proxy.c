@@ -326,14 +326,32 @@ void hep_proxy_destroy(hep_proxy *p)
 int hep_proxy_wait_flag(const volatile uint64_t *flag, uint64_t expect, int me, int peer,
                         const char *what)
 {
+    return hep_proxy_wait_flag_arrived(flag, expect, NULL, me, peer, what);
+}
+
+int hep_proxy_wait_flag_arrived(const volatile uint64_t *flag, uint64_t expect,
+                                const volatile uint64_t *arrived, int me, int peer,
+                                const char *what)
+{
     double start = now_ms(), limit = (double)hep_env_get()->timeout_ms;
-    while (__atomic_load_n((const uint64_t *)flag, __ATOMIC_ACQUIRE) < expect) {
-        if (now_ms() - start > limit)
+    uint64_t seen, came;
+    while ((seen = __atomic_load_n((const uint64_t *)flag, __ATOMIC_ACQUIRE)) < expect) {
+        if (now_ms() - start > limit) {
+            came = arrived ? __atomic_load_n((const uint64_t *)arrived, __ATOMIC_ACQUIRE) : 0;
+            if (came >= expect) /* its batch started: the flag, not the rank, is missing */
+                return hep_fail(HEP_ERR_TIMEOUT,
+                                "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for %s from rank %d: "
+                                "expected %llu, saw %llu: rank %d arrived at call %llu (its "
+                                "arrival word came over the network) but this flag did not "
+                                "arrive",
+                                me, now_ms() - start, what, peer, (unsigned long long)expect,
+                                (unsigned long long)seen, peer, (unsigned long long)came);
             return hep_fail(HEP_ERR_TIMEOUT,
                             "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for %s from rank %d: "
                             "expected %llu, saw %llu: rank %d did not arrive",
                             me, now_ms() - start, what, peer, (unsigned long long)expect,
-                            (unsigned long long)*flag, peer);
+                            (unsigned long long)seen, peer);
+        }
         sched_yield();
     }
     return HEP_OK;
