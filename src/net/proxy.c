@@ -170,8 +170,18 @@ static int step(hep_proxy *p)
             const hep_proxy_chunk *c = &p->chunks[id - FLAG_WR];
             hep_proxy_peer_stats *s = &p->stats[c->peer];
             double ns = (now_ms() - p->seen_ms[id - FLAG_WR]) * 1e6;
+            const double half_ms = (double)hep_env_get()->timeout_ms / 2;
             s->flags_done++;
             s->ready_to_flag_ns += (uint64_t)ns;
+            /* a flag that lands this late may find its receiver gone (it waits
+             * HEP_TIMEOUT_MS): say so here, where the lateness is seen, so that a
+             * receiver's timeout on a flag that "never came" can be told from a loss */
+            if (ns / 1e6 > half_ms)
+                hep_log(HEP_LOG_WARN,
+                        "proxy of rank %d: the flag of '%s' to rank %d completed %.0f ms after "
+                        "its chunk was ready (HEP_TIMEOUT_MS = %llu): the %s NIC was late",
+                        p->net->rank, c->name ? c->name : "?", c->peer, ns / 1e6,
+                        (unsigned long long)hep_env_get()->timeout_ms, p->net->v->name);
         }
         if (done[k].status) {
             char m[1024];
