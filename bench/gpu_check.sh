@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call. Expects the binaries built
 # by bench/gpu_build.sh in .gpu/ (carried with the call). Full logs go to $OUT.
-# Usage: bench/gpu_check.sh [all|test|san|bench|sweep|nodes|variants|python]...  (several modes run in order;
+# Usage: bench/gpu_check.sh [all|test|san|bench|sweep|nodes|variants|python|stress]...  (several modes run in order;
 #   BENCH_ARGS adds options to every bench; SWEEP_SMS the SM counts of `sweep`)
 #   test: the GPU tests; san: compute-sanitizer memcheck and racecheck on small cases
 #   sweep: one rank (E_l = 8, K = 8) and eight ranks (bench defaults) across SM counts
 #   nodes: the benches of 2 x 4 and 4 x 2 virtual nodes over the loopback NIC
 #   variants: the benches of each kernel variant built by bench/gpu_variants.sh
 #   python: the Python package's GPU run (python/tests/gpu_run.sh, 8 processes)
+#   stress: the inter-node stress (tests/stress_internode.c) on the GPU: 2 x 2, 2 x 4, 4 x 2
+#     virtual nodes over the loopback NIC, STRESS_CALLS (10000) calls a shape within
+#     STRESS_SECONDS (150) a shape, with HEP_DEBUG_JITTER_US=STRESS_JITTER_US (20), then
+#     STRESS_SAN_CALLS (200) calls a shape under compute-sanitizer memcheck and racecheck
+#     (not part of `all`: name it)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hep-gpu}
@@ -17,6 +22,7 @@ export CUDA_DEVICE_MAX_CONNECTIONS=32 PYTHONUNBUFFERED=1 HEP_TIMEOUT_MS=${HEP_TI
 B=.gpu
 MODES=" ${*:-all} "
 want() { [[ "$MODES" == *" all "* || "$MODES" == *" $1 "* ]]; }
+named() { [[ "$MODES" == *" $1 "* ]]; }
 step() { echo; echo "=== $* ($(date +%T))"; }
 {
   step "device"
@@ -90,4 +96,22 @@ if want python; then
   HEP_BUILD_DIR=.gpu timeout ${PY_TIMEOUT:-560} bash python/tests/gpu_run.sh > "$OUT/python.txt" 2>&1
   echo "gpu_run.sh exit: $?"
   grep -E '^==|passed|failed|skipped|Error|error' "$OUT/python.txt" | tail -40
+fi
+if named stress; then
+  {
+    J=${STRESS_JITTER_US:-20}
+    step "stress_internode gpu: ${STRESS_CALLS:-10000} calls a shape, HEP_DEBUG_JITTER_US=$J"
+    HEP_GPU_MR_MODE=dmabuf HEP_LOG_LEVEL=warn HEP_DEBUG_JITTER_US=$J \
+      HEP_STRESS_CALLS=${STRESS_CALLS:-10000} HEP_STRESS_SECONDS=${STRESS_SECONDS:-150} \
+      timeout 540 $B/stress_internode gpu
+    echo "stress_internode gpu exit: $?"
+    for tool in memcheck racecheck; do
+      step "compute-sanitizer $tool stress_internode gpu: ${STRESS_SAN_CALLS:-200} calls a shape"
+      HEP_GPU_MR_MODE=dmabuf HEP_LOG_LEVEL=warn HEP_DEBUG_JITTER_US=$J HEP_TIMEOUT_MS=20000 \
+        HEP_STRESS_CALLS=${STRESS_SAN_CALLS:-200} HEP_STRESS_SECONDS=${STRESS_SAN_SECONDS:-60} \
+        timeout 250 compute-sanitizer --tool $tool $B/stress_internode gpu
+      echo "compute-sanitizer $tool exit: $?"
+    done
+  } > "$OUT/stress.txt" 2>&1
+  grep -E "^===|^stress|exit|FAILED|timed out|SUMMARY|differ" "$OUT/stress.txt" | tail -30
 fi

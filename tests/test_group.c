@@ -243,7 +243,7 @@ static void group_gpu_backend_without_a_gpu_fails_with_a_cuda_message(void **sta
 
 /* 2 nodes x 2 ranks, host backend: rank 0's 6 tokens with a fixed routing; after one
  * dispatch the proxy of rank 0 sent its peer (rank 2) exactly the tokens that node 1 needs,
- * once each (rows, routing, FP8 scales), plus one count and one flag. */
+ * once each (rows, routing, FP8 scales), plus its arrival word, one count and one flag. */
 typedef struct wire_case {
     uint64_t bytes[4], data_wrs[4], flag_wrs[4];
     int rc[4];
@@ -296,8 +296,9 @@ static void group_internode_dispatch_sends_each_peer_exactly_what_its_node_needs
     static wire_case w;
     rank_ctx ctx[4];
     /* node 1 needs tokens 0, 2, 3 (experts 4, 5-6, 7): 3 rows of 256 B, 3 x 2 ids (i32)
-     * and 3 x 2 weights, 3 x 2 FP8 scales, then one 8-byte count; its flag is a flag write */
-    const uint64_t expect = 3 * 256 + 3 * 2 * 4 + 3 * 2 * 4 + 3 * 2 * 4 + 8;
+     * and 3 x 2 weights, 3 x 2 FP8 scales, then one 8-byte count; its flag is a flag write;
+     * the 8-byte arrival word goes ahead of them all */
+    const uint64_t expect = 8 + 3 * 256 + 3 * 2 * 4 + 3 * 2 * 4 + 3 * 2 * 4 + 8;
     (void)state;
     memset(&w, 0, sizeof(w));
     assert_int_equal(run_ranks(4, wire_rank, &w, ctx), 0);
@@ -306,8 +307,9 @@ static void group_internode_dispatch_sends_each_peer_exactly_what_its_node_needs
             fail_msg("rank %d: %s", r, ctx[r].err);
     assert_int_equal(w.bytes[2], expect);
     assert_int_equal(w.flag_wrs[2], 1);
-    /* the rows are packed in the send slot: one write per buffer (4 buffers), the count */
-    assert_int_equal(w.data_wrs[2], 4 + 1);
+    /* the rows are packed in the send slot: the arrival word, one write per buffer (4
+     * buffers), the count */
+    assert_int_equal(w.data_wrs[2], 1 + 4 + 1);
     for (int p = 0; p < 4; p++)
         if (p != 2)
             assert_int_equal(w.bytes[p], 0); /* nothing to its own node, nothing to rank 3 */

@@ -77,12 +77,27 @@ static void plan_two_nodes_lists_all_fourteen_rdma_buffers(void **state)
     assert_int_equal(p.buf[HEP_BUF_D_GROUP_PROB].bytes, 1 * 100 * 2 * 4 * 4);
     assert_int_equal(p.buf[HEP_BUF_D_ATTN_FLAGS].bytes, (3 * 2 + 2 * 8) * 8);
     assert_int_equal(p.buf[HEP_BUF_D_ATTN_SCALE].bytes, 100 * 4 * 4);
-    /* FP8 dispatch slots live inside the BF16 partial-sum slots */
-    assert_int_equal(p.buf[HEP_BUF_D_GROUP_TOKEN].alias_of, HEP_BUF_C_RED_TOKEN);
-    assert_int_equal(p.buf[HEP_BUF_D_GROUP_TOKEN].offset, p.buf[HEP_BUF_C_RED_TOKEN].offset);
-    /* the send staging lives in the combine receive slots (never live at once) */
+    /* FP8 slots (T x H) are not the bytes of the BF16 slots (T x 2H) of the same node:
+     * slot j of one would lie in another node's slot of the other, so nothing aliases */
+    for (int i = HEP_FIRST_RDMA_BUF; i < HEP_BUF_COUNT; i++)
+        assert_int_equal(p.buf[i].alias_of, -1);
+}
+
+/* BF16: the send staging lives in the combine receive slots and the partial sums in the
+ * dispatch receive slots, slot j in the same bytes (never live at once) */
+static void plan_bf16_two_nodes_alias_slots_of_the_same_node(void **state)
+{
+    hep_config c = base(512, 100, 3, 4, HEP_DTYPE_BF16);
+    hep_plan p;
+    (void)state;
+    c.ranks_per_node = 4;
+    assert_int_equal(hep_plan_make(&c, 3, 4, &p), HEP_OK);
     assert_int_equal(p.buf[HEP_BUF_D_ATTN_TOKEN].alias_of, HEP_BUF_C_GROUP_TOKEN);
     assert_int_equal(p.buf[HEP_BUF_D_ATTN_TOKEN].offset, p.buf[HEP_BUF_C_GROUP_TOKEN].offset);
+    assert_int_equal(p.buf[HEP_BUF_D_ATTN_TOKEN].bytes, p.buf[HEP_BUF_C_GROUP_TOKEN].bytes);
+    assert_int_equal(p.buf[HEP_BUF_C_RED_TOKEN].alias_of, HEP_BUF_D_GROUP_TOKEN);
+    assert_int_equal(p.buf[HEP_BUF_C_RED_TOKEN].offset, p.buf[HEP_BUF_D_GROUP_TOKEN].offset);
+    assert_int_equal(p.buf[HEP_BUF_C_RED_TOKEN].bytes, p.buf[HEP_BUF_D_GROUP_TOKEN].bytes);
 }
 
 static void plan_ep64_fits_the_stated_budget(void **state)
@@ -167,6 +182,7 @@ int main(void)
         cmocka_unit_test(plan_two_nodes_lists_all_fourteen_rdma_buffers),
         cmocka_unit_test(plan_ep64_fits_the_stated_budget),
         cmocka_unit_test(plan_buffers_do_not_overlap_unless_aliased),
+        cmocka_unit_test(plan_bf16_two_nodes_alias_slots_of_the_same_node),
         cmocka_unit_test(plan_refuses_every_invalid_field),
     };
     return cmocka_run_group_tests_name("plan", tests, NULL, NULL);

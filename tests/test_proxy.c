@@ -276,6 +276,31 @@ static void proxy_times_out_naming_the_chunk_whose_producer_never_published(void
     hep_env_reload();
 }
 
+/* A receiver whose flag never came, but whose peer's arrival word (sent ahead of the flag
+ * on the same connection) did, says that the peer arrived and its flag was lost; with the
+ * arrival word of an earlier call only, that the peer did not arrive. */
+static void wait_flag_names_a_lost_flag_of_a_peer_that_arrived(void **state)
+{
+    volatile uint64_t flag = 4, arrived = 5;
+    (void)state;
+    setenv("HEP_TIMEOUT_MS", "50", 1);
+    hep_env_reload();
+    assert_int_equal(hep_proxy_wait_flag_arrived(&flag, 5, &arrived, 3, 1, "its partial sums"),
+                     HEP_ERR_TIMEOUT);
+    assert_non_null(strstr(hep_last_error(), "expected 5, saw 4: rank 1 arrived at call 5"));
+    assert_non_null(strstr(hep_last_error(), "but this flag did not arrive"));
+    assert_null(strstr(hep_last_error(), "rank 1 did not arrive"));
+    arrived = 4;
+    assert_int_equal(hep_proxy_wait_flag_arrived(&flag, 5, &arrived, 3, 1, "its partial sums"),
+                     HEP_ERR_TIMEOUT);
+    assert_non_null(strstr(hep_last_error(), "expected 5, saw 4: rank 1 did not arrive"));
+    flag = 5; /* and a flag in place is no timeout */
+    assert_int_equal(hep_proxy_wait_flag_arrived(&flag, 5, &arrived, 3, 1, "its partial sums"),
+                     HEP_OK);
+    unsetenv("HEP_TIMEOUT_MS");
+    hep_env_reload();
+}
+
 /* Two nodes of two ranks: rank 0's 8 tokens, each needing node 0 (local), node 1, or
  * both. The batch sends each token that node 1 needs once, packed, to the peer (rank 2). */
 static void proxy_sends_exactly_the_tokens_the_peer_node_needs_once_each(void **state)
@@ -307,6 +332,7 @@ static void proxy_sends_exactly_the_tokens_the_peer_node_needs_once_each(void **
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(wait_flag_names_a_lost_flag_of_a_peer_that_arrived),
         cmocka_unit_test_setup_teardown(
             proxy_posts_chunks_as_they_become_ready_each_flag_after_its_data, setup, teardown),
         cmocka_unit_test_setup_teardown(proxy_coalesces_contiguous_ready_chunks_into_one_write,

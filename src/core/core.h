@@ -42,6 +42,10 @@ typedef struct hep_env {
     int gid_index;          /* HEP_IB_GID_INDEX: 0..255; -1 = pick RoCE v2 automatically */
     const char *ibverbs_lib;/* HEP_IBVERBS_LIB: path of libibverbs (default libibverbs.so.1) */
     const char *nic;        /* HEP_NIC: loopback|verbs|auto (default auto) */
+    uint64_t jitter_us;     /* HEP_DEBUG_JITTER_US: 0 (default, off) or the most microseconds
+                               of each random delay injected where the inter-node path
+                               orders its writes (hep_debug_jitter; kernels: block start) */
+    uint64_t jitter_seed;   /* HEP_DEBUG_JITTER_SEED: seed of those delays (default 1) */
     char errors[512];       /* what could not be parsed, "" if all were fine */
 } hep_env;
 /* The parsed knobs (read on first use). */
@@ -58,6 +62,14 @@ uint64_t hep_timeout_ns(void);
  * (1 unless set: destroy waits longer, so that ranks still timing out in a call reach it). */
 uint64_t hep_wait_limit_ms(void);
 void hep_wait_patience(unsigned factor);
+
+/* ---- debug jitter (core/jitter.c) ----
+ * With HEP_DEBUG_JITTER_US = N > 0: sleep a pseudo-random 0..N us (a per-thread PRNG seeded
+ * from HEP_DEBUG_JITTER_SEED and the thread's order of first use, so a run is
+ * reproducible up to the threads' scheduling). With 0 (the default): one load and return. */
+void hep_debug_jitter(void);
+/* The next value of this thread's jitter PRNG (for tests that want the same sequence). */
+uint64_t hep_debug_jitter_next(void);
 
 /* ---- checked arithmetic (1 on overflow) ---- */
 static inline int hep_mul_overflow(size_t a, size_t b, size_t *out)

@@ -103,6 +103,10 @@ static void env_read(hep_env *e)
     if (!e->ibverbs_lib || !*e->ibverbs_lib)
         e->ibverbs_lib = "libibverbs.so.1";
     e->nic = nics[parse_choice(e, "HEP_NIC", nics, 3, 0)];
+    e->jitter_us = parse_u64(e, "HEP_DEBUG_JITTER_US", 0, 0, 1000000,
+                             "an integer in 0..1000000 (microseconds)", 0);
+    e->jitter_seed = parse_u64(e, "HEP_DEBUG_JITTER_SEED", 1, 0, UINT64_MAX,
+                               "a non-negative integer", 0);
     gid = getenv("HEP_IB_GID_INDEX");
     e->gid_index = -1;
     if (gid && *gid)

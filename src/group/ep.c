@@ -206,13 +206,46 @@ static int check_dispatch(const hep_group *g, const hep_dispatch_args *a, hep_di
     return HEP_OK;
 }
 
+/* A wait on another node's flag timed out: did that peer arrive at the call? Its arrival
+ * word, sent ahead of the data on the same connection (word 2N + slot of the receive flags:
+ * the count-block flag of dispatch, the arrival word of combine), holds its call once it
+ * started. Returns the word, or 0 when it cannot be read or the stage has none. */
+static unsigned long long peer_arrival(hep_group *g, int stage, int peer, void *stream)
+{
+    const int id = stage == HEP_STAGE_NODE_COMBINE    ? HEP_BUF_C_GROUP_FLAGS
+                   : stage == HEP_STAGE_NODE_DISPATCH ? HEP_BUF_D_GROUP_FLAGS
+                                                      : -1;
+    unsigned long long v = 0;
+    const int node = g->R ? peer / g->R : 0;
+    if (id < 0 || g->N < 2 || node == g->node || node < 0 || node >= g->N)
+        return 0;
+    /* device memory: copied on the call's own stream (finished), not the legacy one */
+    if (cudaMemcpyAsync(&v, (const unsigned long long *)hep_my_buf(g, id) + 2 * g->N +
+                                hep_slot_of(node, g->node),
+                        sizeof(v), cudaMemcpyDeviceToHost, (cudaStream_t)stream) != cudaSuccess ||
+        cudaStreamSynchronize((cudaStream_t)stream) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return v;
+}
+
 /* After the stream finished: a kernel's record becomes the call's status. */
-static int diag_status(hep_group *g, const char *call)
+static int diag_status(hep_group *g, const char *call, void *stream)
 {
     hep_diag *d = (hep_diag *)(g->arena[HEP_ARENA_MAPPED] + g->plan.buf[HEP_BUF_DIAG].offset);
     if (d->timeout_claimed) {
         int peer = d->peer; /* a global rank */
-        if (d->via_plus1)
+        const unsigned long long came =
+            d->via_plus1 ? 0 : peer_arrival(g, d->stage, peer, stream);
+        if (!d->via_plus1 && came >= d->expected)
+            snprintf(g->broken_msg, sizeof(g->broken_msg),
+                     "%s timed out on rank %d after %.0f ms (HEP_TIMEOUT_MS) in %s, block %d: "
+                     "waited for rank %d, expected %llu, saw %llu: rank %d arrived at call %llu "
+                     "(its arrival word came over the network) but its flag did not arrive",
+                     call, g->rank, (double)d->waited_ns / 1e6, stage_name(d->stage), d->block,
+                     peer, d->expected, d->seen, peer, came);
+        else if (d->via_plus1)
             snprintf(g->broken_msg, sizeof(g->broken_msg),
                      "%s timed out on rank %d after %.0f ms in %s, block %d: it waited for rank "
                      "%d, which had given up waiting for rank %d (HEP_TIMEOUT_MS): rank %d did "
@@ -272,7 +305,7 @@ static int finish(hep_group *g, void *stream, unsigned flags, const char *call)
     if (e != cudaSuccess)
         return cuda_status(e, call);
     prc = proxy_done(g);       /* the kernels are done: so is the batch, or it failed */
-    rc = diag_status(g, call); /* a kernel's timeout names who was missing: it wins */
+    rc = diag_status(g, call, stream); /* a kernel's timeout names who was missing: it wins */
     if (prc && rc != HEP_ERR_TIMEOUT)
         return hep_fail(prc, "%s", g->broken_msg);
     return rc;
@@ -348,6 +381,7 @@ int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *
     k->topk_idx = a->topk_idx;
     k->weights = a->topk_weights;
     k->timeout_ns = hep_timeout_ns(); /* capped: the kernels' bound arithmetic cannot wrap */
+    k->jitter_ns = hep_env_get()->jitter_us * 1000ull; /* stress runs only; 0 by default */
     if (g->N > 1) {
         rc = start_network(g, 0, g->cfg.dispatch_sms, a->stream, g->epoch + 1);
         if (rc)

@@ -108,6 +108,12 @@ int hep_wire_gpu_batch(const hep_group *g, int phase, int S, hep_proxy_chunk *ch
                                                HEP_BUF_D_GROUP_FLAGS, m, s,
                                                px + 3 * HEP_PX_MAX_BLOCKS);
         } else {
+            /* the arrival word first (ahead of the rows, same connection): the receiver's
+             * timeout then tells a lost flag from a peer that never started its combine */
+            const size_t N = (size_t)g->N;
+            ch[n++] = hep_wire_chunk(g, peer, HEP_BUF_C_OUT_FLAGS, (2 * N + m) * 8,
+                                     HEP_BUF_C_GROUP_FLAGS, (2 * N + s) * 8, 8,
+                                     px + 3 * HEP_PX_MAX_BLOCKS + 1);
             n = add_blocks(g, ch, n, peer, HEP_BUF_C_RED_TOKEN, j * T * rb2,
                            HEP_BUF_C_GROUP_TOKEN, s * T * rb2, rb2, px, S);
             ch[n++] = hep_wire_count_then_flag(g, peer, HEP_BUF_C_OUT_FLAGS,

@@ -195,6 +195,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     const unsigned long long e = *a.epoch;
     __shared__ const char *s_x[HEP_GPU_MAX_LOCAL]; /* see k_dispatch */
     __shared__ int s_last;
+    block_start_jitter(a, e);
     if (tid < R)
         s_x[tid] = a.x[tid];
 #ifndef HEP_STATIC_TOKENS
@@ -203,6 +204,14 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     const int first_grab = lane == 0 ? (int)atomicAdd(work, GRAB) : 0;
 #endif
 
+    if (N > 1 && b == 0 && tid < N && tid != a.node) {
+        /* arrival: this rank's combine of call e started. The proxy sends the word ahead of
+         * the partial sums on the same connection, so a peer that times out on their flag
+         * can tell a lost flag from a rank that never came (ep.c, diag_status). */
+        a.red_words[2 * N + tid] = e;
+        __threadfence_system();
+        st_release(a.px + HEP_PX_WORD(N, 1, tid) + 3 * HEP_PX_MAX_BLOCKS + 1, e);
+    }
     if (b == 0 && tid == 0) {
         fence_peers(a);
         st_release_peers(a, a.flags[a.local] + HEP_FLAG_COMBINE_READY, e);

@@ -145,6 +145,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     __shared__ char *s_x[HEP_GPU_MAX_LOCAL];
     __shared__ float *s_prob[HEP_GPU_MAX_LOCAL], *s_scale[HEP_GPU_MAX_LOCAL];
     const unsigned long long e = *a.epoch + 1;
+    block_start_jitter(a, e);
     for (int j = tid; j < R; j += blockDim.x) {
         s_x[j] = a.x[j];
         s_prob[j] = a.prob[j];

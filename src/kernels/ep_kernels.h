@@ -41,10 +41,12 @@
  * combine) and node m: for each block b, {ready, first, count} at 3b (the block's rows of
  * node m's slot are [first, first + count), in place once ready = e); then at
  * 3 * HEP_PX_MAX_BLOCKS the slot's count and flag words are in place once it is e, and at
- * 3 * HEP_PX_MAX_BLOCKS + 1 the slot's count block (dispatch).
+ * 3 * HEP_PX_MAX_BLOCKS + 1 the slot's count block (dispatch) or the rank's arrival word
+ * (combine: word 2N + m of combine.attn_output_flags holds e once its combine started).
  *
  * Inter-node flags buffers (u64 words): [0, N) counts, [N, 2N) flags, [2N, 3N) count-block
- * flags, then per node a count block: its slot's tokens per (local rank d, expert), as
+ * flags (dispatch) or arrival words (combine: the sender's call, sent ahead of its partial
+ * sums), then per node a count block: its slot's tokens per (local rank d, expert), as
  * R x (E_l + 1) i32 (total at d, then per expert), sent ahead of the rows so that the
  * receiver lays out its rows, and forwards its own tokens, while the rows travel. */
 /* A rank's work counters (u32, device, zero between calls): the next own token a combine
@@ -81,6 +83,8 @@ typedef struct hep_kargs {
     int node, N, T, kmax;            /* N > 1: this rank's node, the nodes, slot sizes */
     int peers_sys;                   /* 1: a node-mate is on another GPU (system-scope sync) */
     unsigned long long timeout_ns;
+    unsigned long long jitter_ns;    /* 0, or HEP_DEBUG_JITTER_US in ns: each block starts after a
+                                        pseudo-random delay of 0..jitter_ns (stress runs) */
     /* inputs */
     const void *tokens;
     const float *scales;

@@ -27,6 +27,7 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
     int *cblocks = (int *)(a.send_words + 3 * N); /* the count blocks, 2 x CBW words apart */
     int t0, t1;
     const unsigned long long e = *a.epoch + 1;
+    block_start_jitter(a, e);
     if (tid < N)
         run[tid] = 0;
     for (int j = tid; j < N * CBI; j += blockDim.x)

@@ -183,6 +183,31 @@ __device__ __forceinline__ bool wait_mate(const hep_kargs &a, const unsigned lon
                       a.flags[mate] + HEP_FLAG_BLAME, a.peers_sys != 0);
 }
 
+// Stress runs (HEP_DEBUG_JITTER_US): this block starts after a pseudo-random 0..jitter_ns,
+// a different delay per (rank, block, call), so that the blocks' publications to the proxy
+// and to node-mates come in orders an ordinary run never shows. Called once at kernel start
+// by every thread (jitter_ns is the same for the whole grid, so the barrier is uniform);
+// with jitter_ns = 0 it is one compare of a kernel parameter.
+__device__ __forceinline__ void block_start_jitter(const hep_kargs &a, unsigned long long e)
+{
+    if (a.jitter_ns == 0)
+        return;
+    if (threadIdx.x == 0) {
+        unsigned long long h = (e * 0x9e3779b97f4a7c15ull) ^
+                               ((unsigned long long)(a.node * 64 + a.local) << 32) ^
+                               (unsigned long long)blockIdx.x ^ (now_ns() >> 10);
+        h = (h ^ (h >> 31)) * 0xbf58476d1ce4e5b9ull;
+        h ^= h >> 29;
+        unsigned long long left = h % (a.jitter_ns + 1);
+        while (left) { /* __nanosleep takes at most about a millisecond at a time */
+            const unsigned step = left > 1000000ull ? 1000000u : (unsigned)left;
+            __nanosleep(step);
+            left -= step;
+        }
+    }
+    __syncthreads();
+}
+
 // The block's threads agree on `ok` (one flag per block in shared memory): every thread
 // passes its own result, all get the AND. Costs one barrier, no global load.
 __device__ __forceinline__ bool block_all(bool ok)

@@ -233,11 +233,15 @@ static void plan_internode(plan_ctx *x, const hep_config *c, size_t esize, size_
     /* The send staging is read (by the NIC) during dispatch only; the combine receive
      * slots are written (by the peers) during combine only, and slot j of both is node j's:
      * peer j writes its partial sums only after it received all of slot j. */
-    p->buf[HEP_BUF_D_ATTN_TOKEN].alias_of = HEP_BUF_C_GROUP_TOKEN;
-    if (esize == 2)
+    /* Only where slot j is the same bytes in both (BF16 rows: T x 2H each). FP8 dispatch
+     * slots are T x H: slot j of one lies inside slot j / 2 of the other, another node's,
+     * and the node-by-node ordering above no longer holds. Seen (HEP_DEBUG_JITTER_US, 8 x 1
+     * nodes, FP8): node 3 wrote its partial sums of call e + 1 into the bytes of the send
+     * staging for node 7 before the proxy had sent them; so FP8 keeps its own buffers. */
+    if (esize == 2) {
+        p->buf[HEP_BUF_D_ATTN_TOKEN].alias_of = HEP_BUF_C_GROUP_TOKEN;
         p->buf[HEP_BUF_C_RED_TOKEN].alias_of = HEP_BUF_D_GROUP_TOKEN;
-    else /* FP8 dispatch slots are half the size of BF16 partial sums: the reverse alias */
-        p->buf[HEP_BUF_D_GROUP_TOKEN].alias_of = HEP_BUF_C_RED_TOKEN;
+    }
 }
 
 int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *p)

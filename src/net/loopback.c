@@ -183,7 +183,15 @@ static int lb_copy(lb_nic *n, void *dst, const void *src, size_t len, int device
 {
     cudaError_t e;
     if (!device) {
-        memcpy(dst, src, len);
+        if (hep_env_get()->jitter_us && len > 8) {
+            /* stress runs: the data lands in two parts, a delay apart, so that a reader
+             * that reads before the flag sees a half-written chunk */
+            memcpy(dst, src, len / 2);
+            hep_debug_jitter();
+            memcpy((char *)dst + len / 2, (const char *)src + len / 2, len - len / 2);
+        } else {
+            memcpy(dst, src, len);
+        }
         /* a later write (the flag) becomes visible after this one to an acquiring reader,
          * on any CPU: the ordering an RC connection gives */
         __atomic_thread_fence(__ATOMIC_RELEASE);
@@ -245,10 +253,12 @@ static int lb_write(hep_net *net, int peer, uint32_t lkey, uint64_t laddr, uint3
                       "is outside its registration (remote access error)");
     d = (void *)(uintptr_t)(dst->base + (raddr - dst->iova));
     s = (void *)(uintptr_t)(src->base + (laddr - src->iova));
+    hep_debug_jitter(); /* stress runs: a write (data or flag) posted late ... */
     rc = lb_copy(n, d, s, len, src->device || dst->device,
                  src->device ? src->cuda_dev : dst->cuda_dev);
     if (rc)
         return rc;
+    hep_debug_jitter(); /* ... and the next one (its flag) later still */
     pthread_mutex_lock(&fabric.lock);
     fabric.stats.writes++;
     fabric.stats.bytes += len;

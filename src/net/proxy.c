@@ -44,9 +44,17 @@ static void batch_fail(hep_proxy *p, int rc, const char *msg)
     snprintf(p->msg, sizeof(p->msg), "%s", msg);
 }
 
-static int ready_raw(const hep_proxy_chunk *c, uint64_t e)
+/* The producer (a kernel through host-mapped memory, or a host thread) writes a chunk's
+ * extent, then its ready word with release semantics (the kernels: __threadfence_system,
+ * then st.release.sys). The proxy reads them the other way round: ready with acquire
+ * first, the extent after it. The extent words were plain volatile reads, which C11 does
+ * not order after the acquire (a data race in its terms; x86 does not reorder loads, so
+ * it was not a failure there, but the compiler and other hosts may): they are atomic loads
+ * now. An extent of the previous call can then be read only with that call's ready word,
+ * and then the chunk is not ready. */
+static uint64_t ready_value(const hep_proxy_chunk *c)
 {
-    return __atomic_load_n((const uint64_t *)c->ready, __ATOMIC_ACQUIRE) >= e;
+    return __atomic_load_n((const uint64_t *)c->ready, __ATOMIC_ACQUIRE);
 }
 
 /* Ready, and its extent known: a descriptor is read once, after the acquire of ready. */
@@ -55,10 +63,12 @@ static int ready_at(hep_proxy *p, int i)
     hep_proxy_chunk *c = &p->chunks[i];
     if (p->resolved[i])
         return 1;
-    if (!ready_raw(c, p->epoch))
+    hep_debug_jitter(); /* stress runs: the ready word read late */
+    if (ready_value(c) < p->epoch)
         return 0;
     if (c->desc) {
-        uint64_t first = c->desc[0], count = c->desc[1];
+        uint64_t first = __atomic_load_n((const uint64_t *)&c->desc[0], __ATOMIC_RELAXED);
+        uint64_t count = __atomic_load_n((const uint64_t *)&c->desc[1], __ATOMIC_RELAXED);
         if (c->unit == 0 || first > c->len / c->unit || count > c->len / c->unit - first) {
             char m[512];
             snprintf(m, sizeof(m),
@@ -160,8 +170,18 @@ static int step(hep_proxy *p)
             const hep_proxy_chunk *c = &p->chunks[id - FLAG_WR];
             hep_proxy_peer_stats *s = &p->stats[c->peer];
             double ns = (now_ms() - p->seen_ms[id - FLAG_WR]) * 1e6;
+            const double half_ms = (double)hep_env_get()->timeout_ms / 2;
             s->flags_done++;
             s->ready_to_flag_ns += (uint64_t)ns;
+            /* a flag that lands this late may find its receiver gone (it waits
+             * HEP_TIMEOUT_MS): say so here, where the lateness is seen, so that a
+             * receiver's timeout on a flag that "never came" can be told from a loss */
+            if (ns / 1e6 > half_ms)
+                hep_log(HEP_LOG_WARN,
+                        "proxy of rank %d: the flag of '%s' to rank %d completed %.0f ms after "
+                        "its chunk was ready (HEP_TIMEOUT_MS = %llu): the %s NIC was late",
+                        p->net->rank, c->name ? c->name : "?", c->peer, ns / 1e6,
+                        (unsigned long long)hep_env_get()->timeout_ms, p->net->v->name);
         }
         if (done[k].status) {
             char m[1024];
@@ -186,7 +206,7 @@ static int step(hep_proxy *p)
                          p->net->rank, i, p->chunks[i].name ? p->chunks[i].name : "?",
                          p->chunks[i].peer, (unsigned long long)hep_env_get()->timeout_ms,
                          (unsigned long long)p->epoch,
-                         (unsigned long long)*p->chunks[i].ready);
+                         (unsigned long long)ready_value(&p->chunks[i]));
                 break;
             }
         batch_fail(p, HEP_ERR_TIMEOUT, m);
@@ -316,14 +336,32 @@ void hep_proxy_destroy(hep_proxy *p)
 int hep_proxy_wait_flag(const volatile uint64_t *flag, uint64_t expect, int me, int peer,
                         const char *what)
 {
+    return hep_proxy_wait_flag_arrived(flag, expect, NULL, me, peer, what);
+}
+
+int hep_proxy_wait_flag_arrived(const volatile uint64_t *flag, uint64_t expect,
+                                const volatile uint64_t *arrived, int me, int peer,
+                                const char *what)
+{
     double start = now_ms(), limit = (double)hep_env_get()->timeout_ms;
-    while (__atomic_load_n((const uint64_t *)flag, __ATOMIC_ACQUIRE) < expect) {
-        if (now_ms() - start > limit)
+    uint64_t seen, came;
+    while ((seen = __atomic_load_n((const uint64_t *)flag, __ATOMIC_ACQUIRE)) < expect) {
+        if (now_ms() - start > limit) {
+            came = arrived ? __atomic_load_n((const uint64_t *)arrived, __ATOMIC_ACQUIRE) : 0;
+            if (came >= expect) /* its batch started: the flag, not the rank, is missing */
+                return hep_fail(HEP_ERR_TIMEOUT,
+                                "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for %s from rank %d: "
+                                "expected %llu, saw %llu: rank %d arrived at call %llu (its "
+                                "arrival word came over the network) but this flag did not "
+                                "arrive",
+                                me, now_ms() - start, what, peer, (unsigned long long)expect,
+                                (unsigned long long)seen, peer, (unsigned long long)came);
             return hep_fail(HEP_ERR_TIMEOUT,
                             "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for %s from rank %d: "
                             "expected %llu, saw %llu: rank %d did not arrive",
                             me, now_ms() - start, what, peer, (unsigned long long)expect,
-                            (unsigned long long)*flag, peer);
+                            (unsigned long long)seen, peer);
+        }
         sched_yield();
     }
     return HEP_OK;

@@ -68,5 +68,11 @@ void hep_proxy_destroy(hep_proxy *p);
  * `peer` and `what`. */
 int hep_proxy_wait_flag(const volatile uint64_t *flag, uint64_t expect, int me, int peer,
                         const char *what);
+/* The same, where `arrived` (or NULL) is a word the peer sent ahead of the flag, on the same
+ * connection, holding the call it entered: on expiry the message says whether the peer
+ * arrived at this call (so its flag was lost on the way) or did not arrive. */
+int hep_proxy_wait_flag_arrived(const volatile uint64_t *flag, uint64_t expect,
+                                const volatile uint64_t *arrived, int me, int peer,
+                                const char *what);
 
 #endif

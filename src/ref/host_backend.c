@@ -91,9 +91,12 @@ static int needs_node(const hep_group *g, const view *v, int i, int m)
     return 0;
 }
 
-static int wait_ge(hep_group *g, volatile uint64_t *f, uint64_t e, int peer, const char *what)
+/* `arrived` (or NULL): the sender's arrival word, sent ahead of the flag (a timeout then
+ * says whether the sender came and its flag was lost, or it never came). */
+static int wait_ge(hep_group *g, volatile uint64_t *f, uint64_t e, int peer, const char *what,
+                   const volatile uint64_t *arrived)
 {
-    int rc = hep_proxy_wait_flag(f, e, g->rank, peer, what);
+    int rc = hep_proxy_wait_flag_arrived(f, e, arrived, g->rank, peer, what);
     if (rc) {
         snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", hep_last_error());
         g->broken = 1;
@@ -104,7 +107,7 @@ static int wait_ge(hep_group *g, volatile uint64_t *f, uint64_t e, int peer, con
 static int wait_mates(hep_group *g, int word, uint64_t e, const char *what)
 {
     for (int l = 0; l < g->R; l++) {
-        int rc = wait_ge(g, flags_of(g, l) + word, e, g->node * g->R + l, what);
+        int rc = wait_ge(g, flags_of(g, l) + word, e, g->node * g->R + l, what, NULL);
         if (rc)
             return rc;
     }
@@ -233,7 +236,7 @@ static int send_dispatch(hep_group *g, const hep_dispatch_args *a, uint64_t e)
     int n = 0, rc;
     if (g->N == 1)
         return HEP_OK; /* one node: nothing crosses a network */
-    ch = malloc(sizeof(*ch) * 5 * (size_t)g->N);
+    ch = malloc(sizeof(*ch) * 6 * (size_t)g->N);
     if (!ch)
         return hep_fail(HEP_ERR_NOMEM, "dispatch: out of memory");
     own_view(g, g->local, &mine);
@@ -243,6 +246,11 @@ static int send_dispatch(hep_group *g, const hep_dispatch_args *a, uint64_t e)
         size_t k = 0;
         if (m == g->node)
             continue;
+        /* the arrival word (words [2N, 3N)) goes first, ahead of the slot and its flag */
+        __atomic_store_n(&words[2 * g->N + m], e, __ATOMIC_RELEASE);
+        ch[n++] = hep_wire_chunk(g, peer, HEP_BUF_D_ATTN_FLAGS, (size_t)(2 * g->N + m) * 8,
+                                 HEP_BUF_D_GROUP_FLAGS, (size_t)(2 * g->N + s) * 8, 8,
+                                 words + 2 * g->N + m);
         for (int i = 0; i < a->num_tokens; i++) {
             int *ids;
             float *w;
@@ -536,7 +544,8 @@ int hep_host_dispatch_ex(hep_group *g, const hep_dispatch_args *a0, hep_dispatch
             } else {
                 const uint64_t *fl = (const uint64_t *)mate_local(g, l, HEP_BUF_D_GROUP_FLAGS);
                 rc = wait_ge(g, (volatile uint64_t *)&fl[g->N + hep_slot_of(ns, g->node)], e,
-                             ns * g->R + l, "its dispatch rows");
+                             ns * g->R + l, "its dispatch rows",
+                             &fl[2 * g->N + hep_slot_of(ns, g->node)]);
                 slot_view(g, l, ns, &v);
             }
             for (int i = 0; rc == HEP_OK && i < v.t; i++)
@@ -704,7 +713,7 @@ int hep_host_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combi
     uint16_t *red = (uint16_t *)hep_my_buf(g, HEP_BUF_C_RED_TOKEN);
     const uint16_t *parts = (const uint16_t *)hep_my_buf(g, HEP_BUF_C_GROUP_TOKEN);
     float *acc = malloc(sizeof(float) * H);
-    hep_proxy_chunk *ch = malloc(sizeof(hep_proxy_chunk) * 2 * (size_t)g->N);
+    hep_proxy_chunk *ch = malloc(sizeof(hep_proxy_chunk) * 3 * (size_t)g->N);
     int *knode = calloc((size_t)g->N, sizeof(int));
     combine_ctx cx;
     int n = 0, rc;
@@ -741,6 +750,12 @@ int hep_host_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combi
         view v;
         if (m == g->node)
             continue;
+        /* the arrival word first, ahead of the partial sums and their flag */
+        __atomic_store_n(&words[2 * g->N + m], e, __ATOMIC_RELEASE);
+        ch[n++] = hep_wire_chunk(g, src, HEP_BUF_C_OUT_FLAGS, (size_t)(2 * g->N + m) * 8,
+                                 HEP_BUF_C_GROUP_FLAGS,
+                                 (size_t)(2 * g->N + hep_slot_of(g->node, m)) * 8, 8,
+                                 words + 2 * g->N + m);
         memset(&v, 0, sizeof(v)); /* that slot's routing as the handle's dispatch saw it */
         v.slot = 1;
         v.kmax = (int)kmax;
@@ -770,7 +785,8 @@ int hep_host_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combi
     for (int m = 0; rc == HEP_OK && m < g->N; m++)
         if (m != g->node)
             rc = wait_ge(g, (volatile uint64_t *)&in[g->N + hep_slot_of(m, g->node)], e,
-                         m * g->R + g->local, "its partial sums");
+                         m * g->R + g->local, "its partial sums",
+                         &in[2 * g->N + hep_slot_of(m, g->node)]);
     recorded_view(g, &mine);
     ctx_reset(g, &cx);
     for (int i = 0; rc == HEP_OK && i < g->last_t; i++) {
