@@ -185,6 +185,68 @@ static void destroy_without_a_node_mate_keeps_only_that_nodes_own_arenas_and_say
 
 /* D7: an expert id out of range is a warning status: the dispatch happened, and the rank
  * that passed it combines with everyone else (no timeout). */
+/* D11: 2 x 2 nodes, every rank dispatches, rank 0 never combines. Rank 3 waits for the
+ * partial sums of rank 1 (its peer on node 0), which came but waits for rank 0 itself: the
+ * message must not say that rank 1 did not arrive. Ranks 1 and 2 name rank 0. */
+typedef struct missing_combine {
+    int rc_combine[4];
+    char msg[4][1200];
+} missing_combine;
+
+static int missing_combine_rank(rank_ctx *r)
+{
+    missing_combine *mc = r->arg;
+    hep_config c = host_config(2);
+    hep_group *g = NULL;
+    hep_dispatch_args da;
+    hep_dispatch_result dr;
+    int idx[16], rc;
+    float w[16];
+    uint16_t x[8 * 64], y[8 * 64];
+    if ((rc = hep_group_create(&c, &r->bs, 0, &g)))
+        return rc;
+    memset(&da, 0, sizeof(da));
+    memset(x, 0, sizeof(x));
+    for (int i = 0; i < 16; i++) /* every token on an expert of each node */
+        idx[i] = (i % 2) ? (i * 3 + r->rank) % 4 : 4 + (i * 3 + r->rank) % 4, w[i] = 1;
+    da.num_tokens = 8;
+    da.tokens = x;
+    da.topk_idx = idx;
+    da.topk = 2;
+    da.topk_weights = w;
+    rc = hep_dispatch(g, &da, &dr);
+    if (rc == HEP_OK && r->rank != 0) {
+        hep_combine_args ca;
+        memset(&ca, 0, sizeof(ca));
+        ca.handle = dr.handle;
+        ca.expert_out = hep_combine_input(g);
+        ca.out = y;
+        mc->rc_combine[r->rank] = hep_combine(g, &ca);
+        snprintf(mc->msg[r->rank], sizeof(mc->msg[0]), "%s", hep_last_error());
+    }
+    hep_group_destroy(g);
+    return rc;
+}
+
+static void a_peer_that_came_is_not_named_missing_when_its_node_mate_is(void **state)
+{
+    static missing_combine mc;
+    rank_ctx ctx[4];
+    (void)state;
+    memset(&mc, 0, sizeof(mc));
+    set_timeout("300");
+    assert_int_equal(run_ranks(4, missing_combine_rank, &mc, ctx), 0);
+    set_timeout(NULL);
+    for (int r = 1; r < 4; r++) {
+        print_message("rank %d: %s\n", r, mc.msg[r]);
+        assert_int_equal(mc.rc_combine[r], HEP_ERR_TIMEOUT);
+    }
+    assert_non_null(strstr(mc.msg[1], "rank 0 did not arrive"));
+    assert_non_null(strstr(mc.msg[2], "rank 0 did not arrive"));
+    assert_null(strstr(mc.msg[3], "rank 1 did not arrive"));
+    assert_non_null(strstr(mc.msg[3], "rank 1 arrived at call"));
+}
+
 static void ignored_expert_id_is_a_warning_and_the_group_goes_on_to_combine(void **state)
 {
     static ep_case c;
@@ -367,6 +429,7 @@ int main(void)
         cmocka_unit_test(destroy_after_a_timeout_frees_everything_when_every_rank_arrives),
         cmocka_unit_test(
             destroy_without_a_node_mate_keeps_only_that_nodes_own_arenas_and_says_so),
+        cmocka_unit_test(a_peer_that_came_is_not_named_missing_when_its_node_mate_is),
         cmocka_unit_test(ignored_expert_id_is_a_warning_and_the_group_goes_on_to_combine),
         cmocka_unit_test(
             dispatch_refuses_unknown_flags_and_combine_refuses_another_groups_handle),

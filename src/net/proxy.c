@@ -353,9 +353,10 @@ int hep_proxy_wait_flag_arrived(const volatile uint64_t *flag, uint64_t expect,
                                 "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for %s from rank %d: "
                                 "expected %llu, saw %llu: rank %d arrived at call %llu (its "
                                 "arrival word came over the network) but this flag did not "
-                                "arrive",
+                                "arrive (rank %d may be waiting for a rank of its own node: "
+                                "its own timeout names that one)",
                                 me, now_ms() - start, what, peer, (unsigned long long)expect,
-                                (unsigned long long)seen, peer, (unsigned long long)came);
+                                (unsigned long long)seen, peer, (unsigned long long)came, peer);
             return hep_fail(HEP_ERR_TIMEOUT,
                             "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for %s from rank %d: "
                             "expected %llu, saw %llu: rank %d did not arrive",

@@ -743,19 +743,32 @@ int hep_host_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combi
     if (g->shm) /* across processes node-mates read this rank's exchange.token */
         hep_shm_stage_combine_input(g, a->expert_out, g->last_recv);
     __atomic_store_n(flags_of(g, g->local) + HEP_FLAG_COMBINE_READY, e, __ATOMIC_RELEASE);
-    rc = wait_mates(g, HEP_FLAG_COMBINE_READY, e, "its expert outputs");
+    /* 0. the arrival words, on their own, before this rank waits for its node-mates: a peer
+     * that gives up on this rank's partial sums then knows this rank came, even when a
+     * node-mate of this rank is the one missing (whose own timeout names it) */
+    for (int m = 0; m < g->N; m++) {
+        if (m == g->node)
+            continue;
+        __atomic_store_n(&words[2 * g->N + m], e, __ATOMIC_RELEASE);
+        ch[n++] = hep_wire_chunk(g, m * g->R + g->local, HEP_BUF_C_OUT_FLAGS,
+                                 (size_t)(2 * g->N + m) * 8, HEP_BUF_C_GROUP_FLAGS,
+                                 (size_t)(2 * g->N + hep_slot_of(g->node, m)) * 8, 8,
+                                 words + 2 * g->N + m);
+    }
+    if (n) {
+        rc = hep_proxy_submit(g->proxy, ch, n, e);
+        if (rc == HEP_OK)
+            rc = hep_proxy_wait(g->proxy);
+        n = 0;
+    }
+    if (rc == HEP_OK)
+        rc = wait_mates(g, HEP_FLAG_COMBINE_READY, e, "its expert outputs");
     /* 1. as the peer of every other node: its tokens' partial sums over this node */
     for (int m = 0; rc == HEP_OK && m < g->N; m++) {
         int src = m * g->R + g->local, s = hep_slot_of(m, g->node);
         view v;
         if (m == g->node)
             continue;
-        /* the arrival word first, ahead of the partial sums and their flag */
-        __atomic_store_n(&words[2 * g->N + m], e, __ATOMIC_RELEASE);
-        ch[n++] = hep_wire_chunk(g, src, HEP_BUF_C_OUT_FLAGS, (size_t)(2 * g->N + m) * 8,
-                                 HEP_BUF_C_GROUP_FLAGS,
-                                 (size_t)(2 * g->N + hep_slot_of(g->node, m)) * 8, 8,
-                                 words + 2 * g->N + m);
         memset(&v, 0, sizeof(v)); /* that slot's routing as the handle's dispatch saw it */
         v.slot = 1;
         v.kmax = (int)kmax;
