@@ -8,9 +8,10 @@
 # Usage: cli_fuzz.sh path/to/hybridep   (HEP_FUZZ_SECONDS bounds it, default 5;
 # HEP_FUZZ_SEED picks the sequence, default 1; scratch files in a private directory)
 set -u
-H=$1
+H=$(realpath "$1") || exit 1
 T=$(mktemp -d "${HEP_TEST_TMP:-${TMPDIR:-/tmp}}/hep_fuzz.XXXXXX") || exit 1
 trap 'rm -rf "$T"' EXIT
+mkdir -p "$T/run"
 RANDOM=${HEP_FUZZ_SEED:-1}
 end=$(($(date +%s) + ${HEP_FUZZ_SECONDS:-5}))
 
@@ -38,7 +39,9 @@ while [ "$(date +%s)" -lt "$end" ]; do
         5) args+=("$(pick "$opts")" "$(pick VALUES)" "$(pick "$opts")=$(pick VALUES)") ;;
     esac
     ((RANDOM % 4 == 0)) && args+=(--json)
-    timeout -k 5 60 "$H" "${args[@]}" >"$T/o" 2>"$T/e"
+    # in the scratch directory: a stray operand or a value taken as a file name (bench's
+    # --dump-routing, --json-file) writes there, removed at exit
+    (cd "$T/run" && exec timeout -k 5 60 "$H" "${args[@]}") >"$T/o" 2>"$T/e"
     rc=$?
     runs=$((runs + 1))
     why=
