@@ -14,6 +14,22 @@ uint16_t bf16_of(float f)
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+hep_dispatch_args ep_case_args(const ep_case *c, int t, const void *tokens, const float *scales,
+                               const void *idx, const float *weights, void *stream)
+{
+    hep_dispatch_args da;
+    memset(&da, 0, sizeof(da));
+    da.num_tokens = t;
+    da.tokens = tokens;
+    da.scales = c->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? scales : NULL;
+    da.topk_idx = idx;
+    da.index_type = c->index64 ? HEP_INDEX_INT64 : HEP_INDEX_INT32;
+    da.topk = c->K;
+    da.topk_weights = weights;
+    da.stream = stream;
+    return da;
+}
+
 uint16_t ep_expert_value(int rank, int row, int h)
 {
     float v = (float)((rank + 1) * 8 + (row % 13)) + (float)(h % 5) * 0.25f;
@@ -82,14 +98,7 @@ static int run_rank(rank_ctx *rc)
                 usleep(100);
             break;
         }
-        memset(&da, 0, sizeof(da));
-        da.num_tokens = in->t;
-        da.tokens = in->tokens;
-        da.scales = in->scales;
-        da.topk_idx = in->idx;
-        da.index_type = c->index64 ? HEP_INDEX_INT64 : HEP_INDEX_INT32;
-        da.topk = c->K;
-        da.topk_weights = in->weights;
+        da = ep_case_args(c, in->t, in->tokens, in->scales, in->idx, in->weights, NULL);
         if (ep_case_dispatch(c, o, g, &da, &dr))
             break;
         o->num_recv = dr.num_recv;

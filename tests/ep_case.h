@@ -43,6 +43,10 @@ typedef struct ep_case {
 
 /* hep_dispatch on one rank of the case, its status and message recorded in o; a failure
  * other than bad input counts the rank as given up. Returns 1 when the rank must stop. */
+/* The dispatch arguments of case c for t tokens in these buffers (host or device; scales
+ * only for FP8). */
+hep_dispatch_args ep_case_args(const ep_case *c, int t, const void *tokens, const float *scales,
+                               const void *idx, const float *weights, void *stream);
 int ep_case_dispatch(ep_case *c, ep_rank_out *o, hep_group *g, const hep_dispatch_args *da,
                      hep_dispatch_result *dr);
 

@@ -99,15 +99,7 @@ static int call_gpu(ep_case *c, int r, hep_group *g, dev_bufs *d)
     CK(cudaMemcpy(d->idx, in->idx, ib * (size_t)c->K * (size_t)in->t, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d->w, in->weights, 4 * (size_t)c->K * (size_t)in->t, cudaMemcpyHostToDevice));
     CK(cudaMemsetAsync(d->out, 0xff, (size_t)H * 2 * (size_t)in->t, d->st)); /* poison */
-    memset(&da, 0, sizeof(da));
-    da.num_tokens = in->t;
-    da.tokens = d->tok;
-    da.scales = c->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? d->sc : NULL;
-    da.topk_idx = d->idx;
-    da.index_type = c->index64 ? HEP_INDEX_INT64 : HEP_INDEX_INT32;
-    da.topk = c->K;
-    da.topk_weights = d->w;
-    da.stream = d->st;
+    da = ep_case_args(c, in->t, d->tok, d->sc, d->idx, d->w, d->st);
     if (ep_case_dispatch(c, o, g, &da, &dr))
         return o->rc_dispatch;
     o->num_recv = dr.num_recv;
@@ -148,14 +140,7 @@ static int call_host(ep_case *c, int r, hep_group *g)
     hep_dispatch_args da;
     hep_dispatch_result dr;
     hep_combine_args ca;
-    memset(&da, 0, sizeof(da));
-    da.num_tokens = in->t;
-    da.tokens = in->tokens;
-    da.scales = in->scales;
-    da.topk_idx = in->idx;
-    da.index_type = c->index64 ? HEP_INDEX_INT64 : HEP_INDEX_INT32;
-    da.topk = c->K;
-    da.topk_weights = in->weights;
+    da = ep_case_args(c, in->t, in->tokens, in->scales, in->idx, in->weights, NULL);
     if (ep_case_dispatch(c, o, g, &da, &dr))
         return o->rc_dispatch;
     o->num_recv = dr.num_recv;

@@ -121,15 +121,7 @@ static int run_rank_gpu(rank_ctx *rc)
         CK(cudaMemcpy(d_eo, h, (size_t)H * 2 * maxr, cudaMemcpyHostToDevice));
         free(h);
     }
-    memset(&da, 0, sizeof(da));
-    da.num_tokens = in->t;
-    da.tokens = d_tok;
-    da.scales = c->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? d_sc : NULL;
-    da.topk_idx = d_idx;
-    da.index_type = c->index64 ? HEP_INDEX_INT64 : HEP_INDEX_INT32;
-    da.topk = c->K;
-    da.topk_weights = d_w;
-    da.stream = st;
+    da = ep_case_args(c, in->t, d_tok, d_sc, d_idx, d_w, st);
     for (int rep = 0; rep < (c->repeat ? c->repeat : 1) + (g_opts.graph ? g_opts.replays : 0);
          rep++) {
         int replay = g_opts.graph && rep >= (c->repeat ? c->repeat : 1);

@@ -500,12 +500,9 @@ static int check_combine_buffers(const hep_group *g, const hep_combine_args *a, 
     return HEP_OK;
 }
 
-int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_opts *c)
+/* What every combine checks first: the group, the arguments, the flags. */
+static int check_combine_call(const hep_group *g, const hep_combine_args *a)
 {
-    const hep_handle *h;
-    int rc;
-    if (!c)
-        return hep_combine(g, a);
     if (!g || !a)
         return hep_fail(HEP_ERR_INVALID, "hep_combine: NULL group or arguments");
     if (g->broken)
@@ -514,6 +511,17 @@ int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_op
     if (a->flags & ~HEP_ASYNC)
         return hep_fail(HEP_ERR_INVALID, "hep_combine: flags 0x%x has bits other than HEP_ASYNC",
                         a->flags);
+    return HEP_OK;
+}
+
+int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_opts *c)
+{
+    const hep_handle *h;
+    int rc;
+    if (!c)
+        return hep_combine(g, a);
+    if ((rc = check_combine_call(g, a)))
+        return rc;
     if (!c->handle && !c->probs_in && !c->probs_out)
         return hep_combine(g, a); /* no option set */
     if (g->cfg.backend == HEP_BACKEND_GPU)
@@ -558,14 +566,8 @@ int hep_combine(hep_group *g, const hep_combine_args *a)
 {
     hep_kargs *k;
     int rc;
-    if (!g || !a)
-        return hep_fail(HEP_ERR_INVALID, "hep_combine: NULL group or arguments");
-    if (g->broken)
-        return hep_fail(HEP_ERR_TIMEOUT, "group is unusable after an earlier failure: %s",
-                        g->broken_msg);
-    if (a->flags & ~HEP_ASYNC)
-        return hep_fail(HEP_ERR_INVALID, "hep_combine: flags 0x%x has bits other than HEP_ASYNC",
-                        a->flags);
+    if ((rc = check_combine_call(g, a)))
+        return rc;
     if (a->handle == 0 || a->handle != g->last_handle)
         return hep_fail(HEP_ERR_INVALID,
                         "hep_combine: handle 0x%llx is not this group's last dispatch's (0x%llx): "
