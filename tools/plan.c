@@ -1,5 +1,6 @@
 /* tools/plan.c: `hybridep plan` - the buffers a configuration allocates, before allocating
  * (through the public hep_plan_query). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -7,8 +8,78 @@
 #include "cli.h"
 #include "json.h"
 
+/* The receive rows one rank needs under uniform top-K routing: each of the W x T tokens
+ * of a call picks K distinct experts of E = E_l x W uniformly, so it reaches this rank
+ * (one of its E_l experts) with p = 1 - C(E - E_l, K) / C(E, K), independently of the
+ * others: the rows are Binomial(W x T, p). The quantile is the normal approximation
+ * mean + z sd (z of the one-sided 99.99%), rounded up. */
+#define ADVICE_QUANTILE 0.9999
+#define ADVICE_Z 3.719016485 /* the standard normal's 99.99% quantile */
+
+typedef struct advice {
+    double p, mean, sd;
+    long long quantile_rows, twice_mean_rows, worst_rows;
+    long long row_bytes; /* receive-buffer bytes per row: tokens, probabilities, scales */
+} advice;
+
+static void make_advice(const hep_plan_info *p, const hep_config *c, advice *a)
+{
+    const double E = (double)c->experts_per_rank * p->world, El = c->experts_per_rank;
+    const double n = (double)p->world * c->max_tokens;
+    double miss = 1; /* C(E - El, K) / C(E, K) as a product, without huge binomials */
+    for (int i = 0; i < c->max_topk; i++)
+        miss *= E - El - i > 0 ? (E - El - i) / (E - i) : 0;
+    a->p = 1 - miss;
+    a->mean = n * a->p;
+    a->sd = sqrt(n * a->p * (1 - a->p));
+    a->worst_rows = (long long)n;
+    a->quantile_rows = (long long)ceil(a->mean + ADVICE_Z * a->sd);
+    if (a->quantile_rows > a->worst_rows)
+        a->quantile_rows = a->worst_rows;
+    a->twice_mean_rows = (long long)ceil(2 * a->mean);
+    if (a->twice_mean_rows > a->worst_rows)
+        a->twice_mean_rows = a->worst_rows;
+    a->row_bytes = 2LL * c->hidden + 4LL * c->experts_per_rank +
+                   (c->dtype == HEP_DTYPE_FP8_E4M3 ? 4LL * (c->hidden / HEP_FP8_BLOCK) : 0);
+}
+
+static void print_advice_text(const advice *a, const hep_config *c, int world)
+{
+    printf("receive capacity for uniform top-%d routing over %d experts (a token reaches this "
+           "rank with p = %.6f; rows ~ Binomial(%lld, p); %lld receive-buffer bytes a row):\n",
+           c->max_topk, c->experts_per_rank * world, a->p, a->worst_rows, a->row_bytes);
+    printf("  %-44s %12.1f rows %16.0f bytes\n", "mean (W x T x p)", a->mean,
+           ceil(a->mean) * (double)a->row_bytes);
+    printf("  %-44s %12lld rows %16lld bytes\n",
+           "99.99% quantile (normal approximation)", a->quantile_rows,
+           a->quantile_rows * a->row_bytes);
+    printf("  %-44s %12lld rows %16lld bytes\n", "2 x mean", a->twice_mean_rows,
+           a->twice_mean_rows * a->row_bytes);
+    printf("  %-44s %12lld rows %16lld bytes\n", "worst case (W x T, the default)",
+           a->worst_rows, a->worst_rows * a->row_bytes);
+}
+
+static void print_advice_json(hep_json *j, const advice *a)
+{
+    json_obj(j, "capacity_advice");
+    json_str(j, "routing", "uniform top-K, K distinct experts");
+    json_num(j, "p", a->p);
+    json_num(j, "mean_rows", a->mean);
+    json_num(j, "quantile", ADVICE_QUANTILE);
+    json_str(j, "quantile_method", "normal approximation of the binomial, rounded up");
+    json_int(j, "quantile_rows", a->quantile_rows);
+    json_int(j, "twice_mean_rows", a->twice_mean_rows);
+    json_int(j, "worst_case_rows", a->worst_rows);
+    json_int(j, "recv_bytes_per_row", a->row_bytes);
+    json_int(j, "recv_bytes_quantile", a->quantile_rows * a->row_bytes);
+    json_int(j, "recv_bytes_twice_mean", a->twice_mean_rows * a->row_bytes);
+    json_int(j, "recv_bytes_worst_case", a->worst_rows * a->row_bytes);
+    json_end_obj(j);
+}
+
 static void print_text(const hep_plan_info *p, const hep_config *c)
 {
+    advice adv;
     printf("hybridep plan: %d node(s) x %d rank(s) per node = %d ranks; H=%d T=%d E_l=%d K=%d "
            "%s\n",
            p->nodes, p->ranks_per_node, p->world, c->hidden, c->max_tokens, c->experts_per_rank,
@@ -33,11 +104,14 @@ static void print_text(const hep_plan_info *p, const hep_config *c)
     printf("total device memory per rank: %zu bytes (%.3f GB, %.3f GiB)\n", p->device_bytes,
            (double)p->device_bytes / 1e9, (double)p->device_bytes / (1 << 30));
     printf("total host memory per rank  : %zu bytes\n", p->host_bytes);
+    make_advice(p, c, &adv);
+    print_advice_text(&adv, c, p->world);
 }
 
 static void print_json(const hep_plan_info *p, const hep_config *c)
 {
     hep_json j;
+    advice adv;
     json_begin(&j, stdout);
     json_obj(&j, NULL);
     json_int(&j, "nodes", p->nodes);
@@ -68,6 +142,8 @@ static void print_json(const hep_plan_info *p, const hep_config *c)
     json_end_arr(&j);
     json_int(&j, "device_bytes", (long long)p->device_bytes);
     json_int(&j, "host_bytes", (long long)p->host_bytes);
+    make_advice(p, c, &adv);
+    print_advice_json(&j, &adv);
     json_end_obj(&j);
     json_finish(&j);
 }
