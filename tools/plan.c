@@ -20,7 +20,18 @@ typedef struct advice {
     double p, mean, sd;
     long long quantile_rows, twice_mean_rows, worst_rows;
     long long row_bytes; /* receive-buffer bytes per row: tokens, probabilities, scales */
+    /* total device memory per rank with max_recv_rows set to the quantile, to 2 x the mean,
+     * and 0 (the worst case); -1 where the plan refused it */
+    long long dev_quantile, dev_twice_mean, dev_worst;
 } advice;
+
+static long long device_bytes_at(const hep_config *c, int nodes, int rpn, long long rows)
+{
+    static hep_plan_info q; /* large: off the stack */
+    hep_config k = *c;
+    k.max_recv_rows = (int)rows;
+    return hep_plan_query(&k, nodes, rpn, &q) == HEP_OK ? (long long)q.device_bytes : -1;
+}
 
 static void make_advice(const hep_plan_info *p, const hep_config *c, advice *a)
 {
@@ -39,6 +50,9 @@ static void make_advice(const hep_plan_info *p, const hep_config *c, advice *a)
     a->twice_mean_rows = (long long)ceil(2 * a->mean);
     if (a->twice_mean_rows > a->worst_rows)
         a->twice_mean_rows = a->worst_rows;
+    a->dev_quantile = device_bytes_at(c, p->nodes, p->ranks_per_node, a->quantile_rows);
+    a->dev_twice_mean = device_bytes_at(c, p->nodes, p->ranks_per_node, a->twice_mean_rows);
+    a->dev_worst = device_bytes_at(c, p->nodes, p->ranks_per_node, 0);
     a->row_bytes = 2LL * c->hidden + 4LL * c->experts_per_rank +
                    (c->dtype == HEP_DTYPE_FP8_E4M3 ? 4LL * (c->hidden / HEP_FP8_BLOCK) : 0);
 }
@@ -48,15 +62,17 @@ static void print_advice_text(const advice *a, const hep_config *c, int world)
     printf("receive capacity for uniform top-%d routing over %d experts (a token reaches this "
            "rank with p = %.6f; rows ~ Binomial(%lld, p); %lld receive-buffer bytes a row):\n",
            c->max_topk, c->experts_per_rank * world, a->p, a->worst_rows, a->row_bytes);
-    printf("  %-44s %12.1f rows %16.0f bytes\n", "mean (W x T x p)", a->mean,
+    printf("  %-40s %12s %16s %20s\n", "", "rows", "receive bytes", "device bytes/rank");
+    printf("  %-40s %12.1f %16.0f\n", "mean (W x T x p)", a->mean,
            ceil(a->mean) * (double)a->row_bytes);
-    printf("  %-44s %12lld rows %16lld bytes\n",
-           "99.99% quantile (normal approximation)", a->quantile_rows,
-           a->quantile_rows * a->row_bytes);
-    printf("  %-44s %12lld rows %16lld bytes\n", "2 x mean", a->twice_mean_rows,
-           a->twice_mean_rows * a->row_bytes);
-    printf("  %-44s %12lld rows %16lld bytes\n", "worst case (W x T, the default)",
-           a->worst_rows, a->worst_rows * a->row_bytes);
+    printf("  %-40s %12lld %16lld %20lld\n", "99.99% quantile (normal approximation)",
+           a->quantile_rows, a->quantile_rows * a->row_bytes, a->dev_quantile);
+    printf("  %-40s %12lld %16lld %20lld\n", "2 x mean", a->twice_mean_rows,
+           a->twice_mean_rows * a->row_bytes, a->dev_twice_mean);
+    printf("  %-40s %12lld %16lld %20lld\n", "worst case (W x T, max_recv_rows = 0)",
+           a->worst_rows, a->worst_rows * a->row_bytes, a->dev_worst);
+    printf("  (pass one as --max-recv-rows, config.max_recv_rows; the host backend only, for "
+           "now)\n");
 }
 
 static void print_advice_json(hep_json *j, const advice *a)
@@ -74,6 +90,9 @@ static void print_advice_json(hep_json *j, const advice *a)
     json_int(j, "recv_bytes_quantile", a->quantile_rows * a->row_bytes);
     json_int(j, "recv_bytes_twice_mean", a->twice_mean_rows * a->row_bytes);
     json_int(j, "recv_bytes_worst_case", a->worst_rows * a->row_bytes);
+    json_int(j, "device_bytes_quantile", a->dev_quantile);
+    json_int(j, "device_bytes_twice_mean", a->dev_twice_mean);
+    json_int(j, "device_bytes_worst_case", a->dev_worst);
     json_end_obj(j);
 }
 
@@ -100,11 +119,19 @@ static void print_text(const hep_plan_info *p, const hep_config *c)
            "buffer\n");
     for (int a = 0; a < p->num_arenas; a++)
         printf("  %-20s %14zu bytes\n", p->arenas[a].name, p->arenas[a].bytes);
-    printf("max received rows per rank: %zu\n", p->max_recv_rows);
+    if (c->max_recv_rows)
+        printf("max received rows per rank: %zu (--max-recv-rows; the worst case W x T is %lld)\n",
+               p->max_recv_rows, (long long)p->world * c->max_tokens);
+    else
+        printf("max received rows per rank: %zu (W x T, the worst case)\n", p->max_recv_rows);
     printf("total device memory per rank: %zu bytes (%.3f GB, %.3f GiB)\n", p->device_bytes,
            (double)p->device_bytes / 1e9, (double)p->device_bytes / (1 << 30));
     printf("total host memory per rank  : %zu bytes\n", p->host_bytes);
     make_advice(p, c, &adv);
+    if (c->max_recv_rows)
+        printf("with the worst case instead (max_recv_rows = 0): %lld bytes (%.3f GB) of device "
+               "memory per rank\n",
+               adv.dev_worst, (double)adv.dev_worst / 1e9);
     print_advice_text(&adv, c, p->world);
 }
 
@@ -123,6 +150,7 @@ static void print_json(const hep_plan_info *p, const hep_config *c)
     json_int(&j, "max_topk", c->max_topk);
     json_str(&j, "dtype", c->dtype == HEP_DTYPE_FP8_E4M3 ? "fp8" : "bf16");
     json_int(&j, "max_recv_rows", (long long)p->max_recv_rows);
+    json_int(&j, "max_recv_rows_option", c->max_recv_rows);
     json_arr(&j, "buffers");
     for (int i = 0; i < p->num_buffers; i++) {
         const hep_plan_buffer_info *b = &p->buffers[i];
@@ -166,6 +194,8 @@ int hep_cmd_plan(int argc, char **argv)
             {"tokens", CLI_INT, &c.max_tokens, 1, 1 << 30, NULL, "T", "most tokens per rank and call"},
             {"experts-per-rank", CLI_INT, &c.experts_per_rank, 1, 1 << 30, NULL, "E", "experts per rank"},
             {"topk", CLI_INT, &c.max_topk, 1, 1 << 30, NULL, "K", "experts per token"},
+            {"max-recv-rows", CLI_INT, &c.max_recv_rows, 0, 1 << 30, NULL, "N",
+             "receive capacity per rank (0 = W x T, the worst case)"},
             {"chunk", CLI_INT, &c.chunk_tokens, 1, 1 << 30, NULL, "C", "tokens per chunk"},
             {"dtype", CLI_CHOICE, &dtype, 0, 0, "bf16|fp8", NULL, "dispatch payload"},
             {"json", CLI_FLAG, &as_json, 0, 0, NULL, NULL, "one JSON document on stdout"},
