@@ -30,6 +30,50 @@ plan_ep64() { "$H" plan --nodes 8 --ranks-per-node 8 --hidden 7168 --tokens 4096
     --experts-per-rank 4 --topk 8 --dtype bf16 | grep -q "total device memory per rank: 4596695040 bytes"; }
 plan_accepts_opt_equals_value() { "$H" plan --nodes=8 --ranks-per-node=8 --hidden=7168 --tokens=4096 \
     --experts-per-rank=4 --topk=8 --dtype=bf16 | grep -q "total device memory per rank: 4596695040 bytes"; }
+# issue 15: the receive capacity uniform top-8 routing of EP64 needs, against numbers worked
+# out here: p = 1 - C(252, 8) / C(256, 8) exactly; the quantile is the normal
+# approximation (checked exactly) and lies within 0.5% of the exact binomial 99.99% quantile
+plan_ep64_capacity_advice() { "$H" plan --nodes 8 --ranks-per-node 8 --hidden 7168 --tokens 4096 \
+    --experts-per-rank 4 --topk 8 --json | python3 -c '
+import json, math, sys
+a = json.load(sys.stdin)["capacity_advice"]
+n = 64 * 4096
+p = 1 - math.comb(252, 8) / math.comb(256, 8)
+mean = n * p
+sd = math.sqrt(n * p * (1 - p))
+q = math.ceil(mean + 3.719016485 * sd)
+row = 7168 * 2 + 4 * 4
+def cdf_at_least(x):  # P(X >= x), summed from logs
+    lp = lambda k: math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * math.log(p) + (n - k) * math.log(1 - p)
+    return sum(math.exp(lp(k)) for k in range(x, x + 2000))
+exact = next(x for x in range(int(mean), n) if cdf_at_least(x + 1) <= 1e-4)
+print(a, "hand:", p, mean, q, exact)
+ok = (abs(a["p"] - p) < 1e-6 and abs(a["mean_rows"] - mean) < 0.1 and 31000 < mean < 32000
+      and a["quantile_rows"] == q and abs(q - exact) <= 0.005 * exact
+      and a["twice_mean_rows"] == math.ceil(2 * mean) and a["worst_case_rows"] == n
+      and a["recv_bytes_per_row"] == row and a["recv_bytes_worst_case"] == n * row
+      and a["recv_bytes_quantile"] == q * row and a["recv_bytes_twice_mean"] == math.ceil(2 * mean) * row)
+sys.exit(0 if ok else 1)'; }
+plan_text_prints_capacity_advice() { "$H" plan --nodes 8 --ranks-per-node 8 --hidden 7168 --tokens 4096 \
+    --experts-per-rank 4 --topk 8 >"$T/o" && grep -q "mean (W x T x p) .* 31439.9 " "$T/o" &&
+    grep -q "99.99% quantile (normal approximation) .* 32059 .* 460110768 .* 1294467072" "$T/o" &&
+    grep -q "worst case (W x T, max_recv_rows = 0) .* 262144 .* 3762290688 .* 4596695040" "$T/o"; }
+# every token reaches the rank when E - E_l < K (p = 1: no spread)
+plan_capacity_advice_all_tokens() { "$H" plan --nodes 1 --ranks-per-node 2 --experts-per-rank 4 --topk 5 \
+    --tokens 100 --json | python3 -c 'import json,sys; a=json.load(sys.stdin)["capacity_advice"]; sys.exit(0 if a["p"]==1 and a["quantile_rows"]==200 and a["twice_mean_rows"]==200 else 1)'; }
+# issue 15: --max-recv-rows sizes the receive buffers by the capacity and shows the worst case too
+plan_max_recv_rows_sizes_the_receive_buffers() { "$H" plan --nodes 8 --ranks-per-node 8 --hidden 7168 --tokens 4096 \
+    --experts-per-rank 4 --topk 8 --max-recv-rows 62880 --json | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+b = {x["name"]: x for x in d["buffers"]}
+sys.exit(0 if d["max_recv_rows"] == 62880 and b["exchange.token"]["count"] == 62880 * 7168
+         and b["dispatch.recv_prob"]["count"] == 62880 * 4 and d["device_bytes"] < 4596695040 - 2 * 10**9
+         and d["capacity_advice"]["device_bytes_worst_case"] == 4596695040 else 1)' &&
+    "$H" plan --nodes 8 --ranks-per-node 8 --hidden 7168 --tokens 4096 --experts-per-rank 4 --topk 8 \
+    --max-recv-rows 62880 | grep -q "with the worst case instead (max_recv_rows = 0): 4596695040 bytes"; }
+plan_rejects_capacity_above_worst_case() { fails_with 1 "config.max_recv_rows = 65537 is out of range 0..65536" \
+    "$H" plan --nodes 2 --ranks-per-node 8 --tokens 4096 --max-recv-rows 65537; }
 plan_json() { "$H" plan --nodes 2 --ranks-per-node 4 --dtype fp8 --json |
     python3 -c 'import json,sys; d=json.load(sys.stdin); n=[b for b in d["buffers"] if b["rdma_registered"]]; sys.exit(0 if len(n)==14 else 1)'; }
 plan_rejects_fp8_hidden() { fails_with 1 "multiple of 128" "$H" plan --dtype fp8 --hidden 7000; }
@@ -92,7 +136,9 @@ bench_gpu_without_gpu_says_it_once() {
 bench_sweep_needs_the_gpu() { fails_with 2 "--sweep-sms times GPU kernels: not with --backend host" "$H" bench --backend host --sweep-sms 4,8; }
 bench_sweep_rejects_bad_list() { fails_with 2 "--sweep-sms 0 is out of range (allowed: 1..132)" "$H" bench --sweep-sms 4,0; }
 
-for t in plan_ep64 plan_accepts_opt_equals_value plan_json plan_rejects_fp8_hidden \
+for t in plan_ep64 plan_accepts_opt_equals_value plan_ep64_capacity_advice \
+    plan_text_prints_capacity_advice plan_capacity_advice_all_tokens \
+    plan_max_recv_rows_sizes_the_receive_buffers plan_rejects_capacity_above_worst_case plan_json plan_rejects_fp8_hidden \
     plan_help_lists_defaults_and_env bench_help_lists_defaults version_names_the_library \
     unknown_argument_exits_2 unknown_command_exits_2 doctor_text_exits_0 doctor_prints_the_version \
     doctor_json_is_one_document bench_host_runs_and_says_so bench_host_two_nodes_runs \

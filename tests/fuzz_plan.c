@@ -32,7 +32,9 @@ static void check_plan(const hep_config *c, const hep_plan *p, int nodes, int R)
                                               : HEP_MAX_RANKS_PER_NODE_GPU;
     int maxN = c->backend == HEP_BACKEND_HOST ? HEP_MAX_NODES_HOST : HEP_MAX_NODES_GPU;
     if (R > maxR || nodes > maxN || p->world != nodes * R ||
-        p->max_recv_rows != (size_t)p->world * (size_t)c->max_tokens || p->device_bytes != dev)
+        p->max_recv_rows != (c->max_recv_rows ? (size_t)c->max_recv_rows
+                                              : (size_t)p->world * (size_t)c->max_tokens) ||
+        p->max_recv_rows > (size_t)p->world * (size_t)c->max_tokens || p->device_bytes != dev)
         abort();
     for (int i = 0; i < HEP_BUF_COUNT; i++) {
         const hep_plan_buffer *b = &p->buf[i];
@@ -74,6 +76,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     nodes = take(&data, &size);
     R = take(&data, &size);
     world = take(&data, &size);
+    c.max_recv_rows = take(&data, &size);
     rc = hep_config_check(&c, world);
     if (rc != HEP_OK && (rc != HEP_ERR_INVALID || !hep_last_error()[0]))
         abort();
@@ -97,8 +100,8 @@ static uint32_t rnd(uint64_t *s)
 int main(void)
 {
     /* seeds: a valid single-node and a valid two-node shape, then mutations of them */
-    static const int32_t seeds[2][13] = {{896, 64, 4, 8, 0, 8, 16, 16, 128, 0, 1, 8, 8},
-                                         {16, 16, 2, 2, 1, 2, 8, 8, 128, 1, 2, 2, 4}};
+    static const int32_t seeds[2][14] = {{896, 64, 4, 8, 0, 8, 16, 16, 128, 0, 1, 8, 8, 0},
+                                         {16, 16, 2, 2, 1, 2, 8, 8, 128, 1, 2, 2, 4, 5}};
     const char *env = getenv("HEP_FUZZ_SECONDS");
     double limit = env ? atof(env) : 3.0;
     struct timespec t0, t;

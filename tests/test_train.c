@@ -30,7 +30,7 @@ typedef struct tcase {
     int t[2][NW];                   /* routing set: tokens per rank */
     int ids[2][NW][NT * NK];        /* routing sets A (0) and B (1) */
     float w[2][NW][NT * NK];
-    uint16_t tok[2][NW][NT * NH];   /* token sets: first dispatch (0), the reuse (1) */
+    _Alignas(16) uint16_t tok[2][NW][NT * NH]; /* token sets: first dispatch (0), the reuse (1) */
     int bad[NW];
     char msg[NW][256];
 } tcase;

@@ -1,5 +1,6 @@
 /* tools/plan.c: `hybridep plan` - the buffers a configuration allocates, before allocating
  * (through the public hep_plan_query). */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -7,8 +8,97 @@
 #include "cli.h"
 #include "json.h"
 
+/* The receive rows one rank needs under uniform top-K routing: each of the W x T tokens
+ * of a call picks K distinct experts of E = E_l x W uniformly, so it reaches this rank
+ * (one of its E_l experts) with p = 1 - C(E - E_l, K) / C(E, K), independently of the
+ * others: the rows are Binomial(W x T, p). The quantile is the normal approximation
+ * mean + z sd (z of the one-sided 99.99%), rounded up. */
+#define ADVICE_QUANTILE 0.9999
+#define ADVICE_Z 3.719016485 /* the standard normal's 99.99% quantile */
+
+typedef struct advice {
+    double p, mean, sd;
+    long long quantile_rows, twice_mean_rows, worst_rows;
+    long long row_bytes; /* receive-buffer bytes per row: tokens, probabilities, scales */
+    /* total device memory per rank with max_recv_rows set to the quantile, to 2 x the mean,
+     * and 0 (the worst case); -1 where the plan refused it */
+    long long dev_quantile, dev_twice_mean, dev_worst;
+} advice;
+
+static long long device_bytes_at(const hep_config *c, int nodes, int rpn, long long rows)
+{
+    static hep_plan_info q; /* large: off the stack */
+    hep_config k = *c;
+    k.max_recv_rows = (int)rows;
+    return hep_plan_query(&k, nodes, rpn, &q) == HEP_OK ? (long long)q.device_bytes : -1;
+}
+
+static void make_advice(const hep_plan_info *p, const hep_config *c, advice *a)
+{
+    const double E = (double)c->experts_per_rank * p->world, El = c->experts_per_rank;
+    const double n = (double)p->world * c->max_tokens;
+    double miss = 1; /* C(E - El, K) / C(E, K) as a product, without huge binomials */
+    for (int i = 0; i < c->max_topk; i++)
+        miss *= E - El - i > 0 ? (E - El - i) / (E - i) : 0;
+    a->p = 1 - miss;
+    a->mean = n * a->p;
+    a->sd = sqrt(n * a->p * (1 - a->p));
+    a->worst_rows = (long long)n;
+    a->quantile_rows = (long long)ceil(a->mean + ADVICE_Z * a->sd);
+    if (a->quantile_rows > a->worst_rows)
+        a->quantile_rows = a->worst_rows;
+    a->twice_mean_rows = (long long)ceil(2 * a->mean);
+    if (a->twice_mean_rows > a->worst_rows)
+        a->twice_mean_rows = a->worst_rows;
+    a->dev_quantile = device_bytes_at(c, p->nodes, p->ranks_per_node, a->quantile_rows);
+    a->dev_twice_mean = device_bytes_at(c, p->nodes, p->ranks_per_node, a->twice_mean_rows);
+    a->dev_worst = device_bytes_at(c, p->nodes, p->ranks_per_node, 0);
+    a->row_bytes = 2LL * c->hidden + 4LL * c->experts_per_rank +
+                   (c->dtype == HEP_DTYPE_FP8_E4M3 ? 4LL * (c->hidden / HEP_FP8_BLOCK) : 0);
+}
+
+static void print_advice_text(const advice *a, const hep_config *c, int world)
+{
+    printf("receive capacity for uniform top-%d routing over %d experts (a token reaches this "
+           "rank with p = %.6f; rows ~ Binomial(%lld, p); %lld receive-buffer bytes a row):\n",
+           c->max_topk, c->experts_per_rank * world, a->p, a->worst_rows, a->row_bytes);
+    printf("  %-40s %12s %16s %20s\n", "", "rows", "receive bytes", "device bytes/rank");
+    printf("  %-40s %12.1f %16.0f\n", "mean (W x T x p)", a->mean,
+           ceil(a->mean) * (double)a->row_bytes);
+    printf("  %-40s %12lld %16lld %20lld\n", "99.99% quantile (normal approximation)",
+           a->quantile_rows, a->quantile_rows * a->row_bytes, a->dev_quantile);
+    printf("  %-40s %12lld %16lld %20lld\n", "2 x mean", a->twice_mean_rows,
+           a->twice_mean_rows * a->row_bytes, a->dev_twice_mean);
+    printf("  %-40s %12lld %16lld %20lld\n", "worst case (W x T, max_recv_rows = 0)",
+           a->worst_rows, a->worst_rows * a->row_bytes, a->dev_worst);
+    printf("  (pass one as --max-recv-rows, config.max_recv_rows; the host backend only, for "
+           "now)\n");
+}
+
+static void print_advice_json(hep_json *j, const advice *a)
+{
+    json_obj(j, "capacity_advice");
+    json_str(j, "routing", "uniform top-K, K distinct experts");
+    json_num(j, "p", a->p);
+    json_num(j, "mean_rows", a->mean);
+    json_num(j, "quantile", ADVICE_QUANTILE);
+    json_str(j, "quantile_method", "normal approximation of the binomial, rounded up");
+    json_int(j, "quantile_rows", a->quantile_rows);
+    json_int(j, "twice_mean_rows", a->twice_mean_rows);
+    json_int(j, "worst_case_rows", a->worst_rows);
+    json_int(j, "recv_bytes_per_row", a->row_bytes);
+    json_int(j, "recv_bytes_quantile", a->quantile_rows * a->row_bytes);
+    json_int(j, "recv_bytes_twice_mean", a->twice_mean_rows * a->row_bytes);
+    json_int(j, "recv_bytes_worst_case", a->worst_rows * a->row_bytes);
+    json_int(j, "device_bytes_quantile", a->dev_quantile);
+    json_int(j, "device_bytes_twice_mean", a->dev_twice_mean);
+    json_int(j, "device_bytes_worst_case", a->dev_worst);
+    json_end_obj(j);
+}
+
 static void print_text(const hep_plan_info *p, const hep_config *c)
 {
+    advice adv;
     printf("hybridep plan: %d node(s) x %d rank(s) per node = %d ranks; H=%d T=%d E_l=%d K=%d "
            "%s\n",
            p->nodes, p->ranks_per_node, p->world, c->hidden, c->max_tokens, c->experts_per_rank,
@@ -29,15 +119,26 @@ static void print_text(const hep_plan_info *p, const hep_config *c)
            "buffer\n");
     for (int a = 0; a < p->num_arenas; a++)
         printf("  %-20s %14zu bytes\n", p->arenas[a].name, p->arenas[a].bytes);
-    printf("max received rows per rank: %zu\n", p->max_recv_rows);
+    if (c->max_recv_rows)
+        printf("max received rows per rank: %zu (--max-recv-rows; the worst case W x T is %lld)\n",
+               p->max_recv_rows, (long long)p->world * c->max_tokens);
+    else
+        printf("max received rows per rank: %zu (W x T, the worst case)\n", p->max_recv_rows);
     printf("total device memory per rank: %zu bytes (%.3f GB, %.3f GiB)\n", p->device_bytes,
            (double)p->device_bytes / 1e9, (double)p->device_bytes / (1 << 30));
     printf("total host memory per rank  : %zu bytes\n", p->host_bytes);
+    make_advice(p, c, &adv);
+    if (c->max_recv_rows)
+        printf("with the worst case instead (max_recv_rows = 0): %lld bytes (%.3f GB) of device "
+               "memory per rank\n",
+               adv.dev_worst, (double)adv.dev_worst / 1e9);
+    print_advice_text(&adv, c, p->world);
 }
 
 static void print_json(const hep_plan_info *p, const hep_config *c)
 {
     hep_json j;
+    advice adv;
     json_begin(&j, stdout);
     json_obj(&j, NULL);
     json_int(&j, "nodes", p->nodes);
@@ -49,6 +150,7 @@ static void print_json(const hep_plan_info *p, const hep_config *c)
     json_int(&j, "max_topk", c->max_topk);
     json_str(&j, "dtype", c->dtype == HEP_DTYPE_FP8_E4M3 ? "fp8" : "bf16");
     json_int(&j, "max_recv_rows", (long long)p->max_recv_rows);
+    json_int(&j, "max_recv_rows_option", c->max_recv_rows);
     json_arr(&j, "buffers");
     for (int i = 0; i < p->num_buffers; i++) {
         const hep_plan_buffer_info *b = &p->buffers[i];
@@ -68,6 +170,8 @@ static void print_json(const hep_plan_info *p, const hep_config *c)
     json_end_arr(&j);
     json_int(&j, "device_bytes", (long long)p->device_bytes);
     json_int(&j, "host_bytes", (long long)p->host_bytes);
+    make_advice(p, c, &adv);
+    print_advice_json(&j, &adv);
     json_end_obj(&j);
     json_finish(&j);
 }
@@ -90,6 +194,8 @@ int hep_cmd_plan(int argc, char **argv)
             {"tokens", CLI_INT, &c.max_tokens, 1, 1 << 30, NULL, "T", "most tokens per rank and call"},
             {"experts-per-rank", CLI_INT, &c.experts_per_rank, 1, 1 << 30, NULL, "E", "experts per rank"},
             {"topk", CLI_INT, &c.max_topk, 1, 1 << 30, NULL, "K", "experts per token"},
+            {"max-recv-rows", CLI_INT, &c.max_recv_rows, 0, 1 << 30, NULL, "N",
+             "receive capacity per rank (0 = W x T, the worst case)"},
             {"chunk", CLI_INT, &c.chunk_tokens, 1, 1 << 30, NULL, "C", "tokens per chunk"},
             {"dtype", CLI_CHOICE, &dtype, 0, 0, "bf16|fp8", NULL, "dispatch payload"},
             {"json", CLI_FLAG, &as_json, 0, 0, NULL, NULL, "one JSON document on stdout"},

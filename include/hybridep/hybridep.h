@@ -61,6 +61,16 @@ typedef struct hep_config {
                              per kernel block's share of a slot instead (see the README). */
     hep_backend backend;  /* GPU kernels (default) or the host backend (host memory, threads;
                              the reference semantics, and the CPU-only path). */
+    int max_recv_rows;    /* receive capacity: rows the dispatch outputs of one rank hold
+                             (exchange.token, dispatch.recv_prob, dispatch.recv_scaling_factor
+                             are sized by it). 0 (default) = W x T, the worst case (every token
+                             of every rank routed to one rank), which never overflows; else
+                             1..W x T. A dispatch that needs more rows on any rank writes
+                             nothing into any rank's receive buffers and fails on every rank
+                             with HEP_ERR_OVERFLOW; the group stays usable. `hybridep plan`
+                             prints what uniform routing needs. Host backend only: the GPU
+                             kernels do not check a capacity yet, so group creation refuses a
+                             non-zero value there with HEP_ERR_UNAVAILABLE. */
 } hep_config;
 
 /* Fill *c with the defaults above (the fields without a default are zero). */
@@ -156,7 +166,11 @@ typedef struct hep_dispatch_result {
  * HEP_WARN_IGNORED: an expert id out of range (not -1 and not below E); that slot was
  * ignored on every rank and the dispatch happened: call hep_combine as usual.
  * Errors (nothing happened): HEP_ERR_INVALID (NULL pointers, t > T, topk > max_topk,
- * unknown index type or flag bits, misaligned rows), HEP_ERR_TIMEOUT (a rank did not arrive within HEP_TIMEOUT_MS;
+ * unknown index type or flag bits, misaligned rows), HEP_ERR_OVERFLOW (config.max_recv_rows
+ * set and some rank would receive more rows: returned on every rank, the message names the
+ * first such rank and the rows it needed; no receive buffer was written; the group stays
+ * usable and the sequence goes on with the next dispatch; the handle holds no layout, so
+ * there is no combine for this call), HEP_ERR_TIMEOUT (a rank did not arrive within HEP_TIMEOUT_MS;
  * the message names it; the group cannot be used afterwards), HEP_ERR_VERBS (a network
  * write failed: peer, buffer and NIC text), HEP_ERR_UNAVAILABLE (graph capture across
  * nodes), HEP_ERR_CUDA. */

@@ -24,12 +24,16 @@ typedef enum hep_status {
     HEP_ERR_BOOTSTRAP = 8,   /* the bootstrap (allgather/barrier) failed */
     HEP_ERR_REMOTE = 9,      /* another rank failed; the message carries its text */
     HEP_ERR_INTERNAL = 10,   /* a broken invariant: a bug in hybridep */
-    HEP_WARN_IGNORED = 11    /* the call completed, but part of its input was ignored (the
+    HEP_WARN_IGNORED = 11,   /* the call completed, but part of its input was ignored (the
                                 message names the first such input): unlike every
                                 HEP_ERR_ status, the collective step happened, its outputs
                                 are valid and the sequence goes on (after a dispatch, call
                                 hep_combine; retrying the call would desynchronize the
                                 group) */
+    HEP_ERR_OVERFLOW = 12    /* a dispatch needed more receive rows than the capacity
+                                (config.max_recv_rows) on some rank: it failed on every
+                                rank, nothing was written past the capacity, and the group
+                                stays usable */
 } hep_status;
 
 /* Status rule: HEP_OK and HEP_WARN_IGNORED mean the call did its collective work; every

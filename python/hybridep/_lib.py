@@ -17,7 +17,7 @@ STATUS_NAMES = {
     0: "HEP_OK", 1: "HEP_ERR_INVALID", 2: "HEP_ERR_NOMEM", 3: "HEP_ERR_UNAVAILABLE",
     4: "HEP_ERR_CUDA", 5: "HEP_ERR_VERBS", 6: "HEP_ERR_TIMEOUT", 7: "HEP_ERR_MISMATCH",
     8: "HEP_ERR_BOOTSTRAP", 9: "HEP_ERR_REMOTE", 10: "HEP_ERR_INTERNAL",
-    11: "HEP_WARN_IGNORED",
+    11: "HEP_WARN_IGNORED", 12: "HEP_ERR_OVERFLOW",
 }
 globals().update({v: k for k, v in STATUS_NAMES.items()})
 
@@ -50,7 +50,7 @@ class HybridEPWarning(UserWarning):
 class Config(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int) for n in (
         "hidden", "max_tokens", "experts_per_rank", "max_topk", "dtype", "ranks_per_node",
-        "dispatch_sms", "combine_sms", "chunk_tokens", "backend")]
+        "dispatch_sms", "combine_sms", "chunk_tokens", "backend", "max_recv_rows")]
 
 
 ALLGATHER_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,

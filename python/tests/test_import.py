@@ -39,3 +39,20 @@ def test_errors_carry_the_status_and_the_library_text():
     with pytest.raises(hybridep.HybridEPError) as info:
         _lib.check(rc, "hep_config_check")
     assert info.value.status_name == "HEP_ERR_INVALID" and "hidden" in info.value.message
+
+
+def test_config_mirrors_the_c_struct_to_its_last_field():
+    # a field out of place in the ctypes struct would make the check name another field
+    from hybridep import _lib
+    cfg = _lib.Config()
+    _lib.lib.hep_config_default(cfg)
+    cfg.hidden, cfg.max_tokens, cfg.experts_per_rank = 256, 16, 2
+    cfg.backend = _lib.HEP_BACKEND_HOST
+    assert cfg.max_recv_rows == 0  # hep_config_default: the worst case
+    assert _lib.lib.hep_config_check(cfg, 4) == 0
+    cfg.max_recv_rows = 65  # 4 ranks x 16 tokens = 64 rows at most
+    rc = _lib.lib.hep_config_check(cfg, 4)
+    assert _lib.STATUS_NAMES[rc] == "HEP_ERR_INVALID"
+    assert "config.max_recv_rows = 65 is out of range 0..64" in _lib.lib.hep_last_error().decode()
+    assert _lib.STATUS_NAMES[12] == "HEP_ERR_OVERFLOW"
+    assert _lib.lib.hep_status_name(12).decode() == "HEP_ERR_OVERFLOW"

@@ -62,6 +62,7 @@ const char *hep_status_name(int status)
     case HEP_ERR_REMOTE: return "HEP_ERR_REMOTE";
     case HEP_ERR_INTERNAL: return "HEP_ERR_INTERNAL";
     case HEP_WARN_IGNORED: return "HEP_WARN_IGNORED";
+    case HEP_ERR_OVERFLOW: return "HEP_ERR_OVERFLOW";
     default: return "HEP_ERR_UNKNOWN";
     }
 }

@@ -73,7 +73,7 @@ static int compare_configs(const rank_card *cards, int world)
     } fields[] = {FIELD(hidden),         FIELD(max_tokens),   FIELD(experts_per_rank),
                   FIELD(max_topk),       FIELD(dtype),        FIELD(ranks_per_node),
                   FIELD(dispatch_sms),   FIELD(combine_sms),  FIELD(chunk_tokens),
-                  FIELD(backend)};
+                  FIELD(backend),        FIELD(max_recv_rows)};
 #undef FIELD
     for (size_t f = 0; f < sizeof(fields) / sizeof(fields[0]); f++) {
         int v0;
@@ -435,6 +435,11 @@ int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda
 
     /* 1. every rank's configuration and identity, checked together */
     rc = cfg ? hep_config_check(cfg, g->world) : hep_fail(HEP_ERR_INVALID, "config is NULL");
+    if (rc == HEP_OK && cfg->backend == HEP_BACKEND_GPU && cfg->max_recv_rows)
+        rc = hep_fail(HEP_ERR_UNAVAILABLE,
+                      "config.max_recv_rows = %d: the GPU kernels do not check a receive capacity "
+                      "yet (use 0, the worst case, or the host backend)",
+                      cfg->max_recv_rows);
     if (rc == HEP_OK)
         rc = fill_card(g, &mine);
     else

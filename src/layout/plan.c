@@ -78,7 +78,9 @@ int hep_config_check(const hep_config *c, int world)
                                                      "kernels' limit")) ||
         (rc = range("dispatch_sms", c->dispatch_sms, 1, 132, NULL)) ||
         (rc = range("combine_sms", c->combine_sms, 1, 132, NULL)) ||
-        (rc = range("chunk_tokens", c->chunk_tokens, 1, 4096, NULL)))
+        (rc = range("chunk_tokens", c->chunk_tokens, 1, 4096, NULL)) ||
+        (rc = range("max_recv_rows", c->max_recv_rows, 0, 1L << 30,
+                    "0 = world x max_tokens (the worst case)")))
         return rc;
     if (c->dtype == HEP_DTYPE_BF16 && c->hidden % 8)
         return hep_fail(HEP_ERR_INVALID,
@@ -109,6 +111,9 @@ int hep_config_check(const hep_config *c, int world)
             return hep_fail(HEP_ERR_INVALID,
                             "world x max_tokens = %lld exceeds 2^30 receive rows",
                             (long long)world * c->max_tokens);
+        if ((rc = range("max_recv_rows", c->max_recv_rows, 0, (long)world * c->max_tokens,
+                        "0 = the worst case; at most world x max_tokens")))
+            return rc;
     }
     hep_clear_error(); /* valid: no earlier call's message may stand for this one */
     return HEP_OK;
@@ -271,7 +276,8 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
     T = (size_t)c->max_tokens;
     H = (size_t)c->hidden;
     El = (size_t)c->experts_per_rank;
-    rows = W * T; /* worst case: every token of every rank chooses this rank */
+    /* the capacity, or the worst case: every token of every rank chooses this rank */
+    rows = c->max_recv_rows ? (size_t)c->max_recv_rows : W * T;
     p->max_recv_rows = rows;
     nscale = H / HEP_FP8_BLOCK;
     esize = c->dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2;

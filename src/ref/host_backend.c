@@ -463,6 +463,69 @@ static size_t copy_out(hep_group *g, int rows, hep_dispatch_opts *x)
     return bytes;
 }
 
+/* The receive capacity (config.max_recv_rows), agreed before any rank writes a row: each
+ * rank counts the rows it needs from the same sources the pull below reads (its node-mates'
+ * inputs and, once their flags are in, their slots of the other nodes), then every rank's
+ * count goes to every rank through the bootstrap's allgather. Nobody writes a receive
+ * buffer before the allgather, and nobody reads a source after it unless every count fits,
+ * so on an overflow every rank returns HEP_ERR_OVERFLOW with the same message and nothing
+ * written; the allgather also stands for the end-of-reading handshake of that case. */
+static int agree_capacity(hep_group *g, uint64_t e)
+{
+    const long long cap = g->cfg.max_recv_rows;
+    long long need = 0, *all;
+    int rc = HEP_OK, over = -1, n_over = 0;
+    for (int ns = 0; ns < g->N && rc == HEP_OK; ns++)
+        for (int l = 0; l < g->R && rc == HEP_OK; l++) {
+            view v;
+            if (ns == g->node) {
+                own_view(g, l, &v);
+            } else {
+                const uint64_t *fl = (const uint64_t *)mate_local(g, l, HEP_BUF_D_GROUP_FLAGS);
+                rc = wait_ge(g, (volatile uint64_t *)&fl[g->N + hep_slot_of(ns, g->node)], e,
+                             ns * g->R + l, "its dispatch rows",
+                             &fl[2 * g->N + hep_slot_of(ns, g->node)]);
+                slot_view(g, l, ns, &v);
+            }
+            for (int i = 0; rc == HEP_OK && i < v.t; i++)
+                need += needs_rank(g, &v, i, g->rank);
+        }
+    if (rc)
+        return rc;
+    all = malloc(sizeof(long long) * (size_t)g->world);
+    if (!all) { /* the others wait in the allgather: this rank cannot go on either */
+        snprintf(g->broken_msg, sizeof(g->broken_msg),
+                 "dispatch on rank %d: out of memory for the receive-capacity agreement", g->rank);
+        g->broken = 1;
+        return hep_fail(HEP_ERR_NOMEM, "%s", g->broken_msg);
+    }
+    rc = g->bs.allgather(g->bs.ctx, &need, all, sizeof(need));
+    if (rc) {
+        snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", hep_last_error());
+        g->broken = 1;
+        free(all);
+        return rc;
+    }
+    for (int r = 0; r < g->world; r++)
+        if (all[r] > cap) {
+            if (over < 0)
+                over = r;
+            n_over++;
+        }
+    if (over >= 0) {
+        long long worst = all[over];
+        free(all);
+        g->epoch = e; /* this call's slots and flags are spent: the next call is e + 1 */
+        return hep_fail(HEP_ERR_OVERFLOW,
+                        "dispatch: rank %d needs %lld receive rows, more than "
+                        "config.max_recv_rows = %lld (%d rank(s) over); nothing was received on "
+                        "any rank and the group stays usable",
+                        over, worst, cap, n_over);
+    }
+    free(all);
+    return HEP_OK;
+}
+
 int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *o)
 {
     hep_dispatch_opts x;
@@ -532,6 +595,8 @@ int hep_host_dispatch_ex(hep_group *g, const hep_dispatch_args *a0, hep_dispatch
     rc = send_dispatch(g, a, e);
     if (rc == HEP_OK)
         rc = wait_mates(g, HEP_FLAG_COUNTS_READY, e, "its routing to be published");
+    if (rc == HEP_OK && g->cfg.max_recv_rows)
+        rc = agree_capacity(g, e);
     if (rc)
         return rc;
     memset(host_counts, 0, (size_t)(El + 1) * sizeof(int));
