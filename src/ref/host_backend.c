@@ -463,6 +463,21 @@ static size_t copy_out(hep_group *g, int rows, hep_dispatch_opts *x)
     return bytes;
 }
 
+/* source_view, once another node's slot of call e arrived (its flag came). */
+static int arrived_source_view(hep_group *g, int ns, int l, uint64_t e, view *v)
+{
+    if (ns != g->node) {
+        const uint64_t *fl = (const uint64_t *)mate_local(g, l, HEP_BUF_D_GROUP_FLAGS);
+        const int s = hep_slot_of(ns, g->node);
+        int rc = wait_ge(g, (volatile uint64_t *)&fl[g->N + s], e, ns * g->R + l,
+                         "its dispatch rows", &fl[2 * g->N + s]);
+        if (rc)
+            return rc;
+    }
+    source_view(g, ns, l, v);
+    return HEP_OK;
+}
+
 /* The receive capacity (config.max_recv_rows), agreed before any rank writes a row: each
  * rank counts the rows it needs from the same sources the pull below reads (its node-mates'
  * inputs and, once their flags are in, their slots of the other nodes), then every rank's
@@ -478,15 +493,7 @@ static int agree_capacity(hep_group *g, uint64_t e)
     for (int ns = 0; ns < g->N && rc == HEP_OK; ns++)
         for (int l = 0; l < g->R && rc == HEP_OK; l++) {
             view v;
-            if (ns == g->node) {
-                own_view(g, l, &v);
-            } else {
-                const uint64_t *fl = (const uint64_t *)mate_local(g, l, HEP_BUF_D_GROUP_FLAGS);
-                rc = wait_ge(g, (volatile uint64_t *)&fl[g->N + hep_slot_of(ns, g->node)], e,
-                             ns * g->R + l, "its dispatch rows",
-                             &fl[2 * g->N + hep_slot_of(ns, g->node)]);
-                slot_view(g, l, ns, &v);
-            }
+            rc = arrived_source_view(g, ns, l, e, &v);
             for (int i = 0; rc == HEP_OK && i < v.t; i++)
                 need += needs_rank(g, &v, i, g->rank);
         }
@@ -604,15 +611,7 @@ int hep_host_dispatch_ex(hep_group *g, const hep_dispatch_args *a0, hep_dispatch
         for (int l = 0; l < g->R && rc == HEP_OK; l++) {
             view v;
             base[ns * g->R + l] = row;
-            if (ns == g->node) {
-                own_view(g, l, &v);
-            } else {
-                const uint64_t *fl = (const uint64_t *)mate_local(g, l, HEP_BUF_D_GROUP_FLAGS);
-                rc = wait_ge(g, (volatile uint64_t *)&fl[g->N + hep_slot_of(ns, g->node)], e,
-                             ns * g->R + l, "its dispatch rows",
-                             &fl[2 * g->N + hep_slot_of(ns, g->node)]);
-                slot_view(g, l, ns, &v);
-            }
+            rc = arrived_source_view(g, ns, l, e, &v);
             for (int i = 0; rc == HEP_OK && i < v.t; i++)
                 if (needs_rank(g, &v, i, g->rank))
                     receive(g, &v, i, row++, host_counts + 1);
