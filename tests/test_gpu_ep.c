@@ -5,6 +5,7 @@
  * the reason. HEP_GPU_TEST_SMALL=1 runs only small cases (for compute-sanitizer). */
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -745,6 +746,7 @@ static void gpu_create_destroy_100_times_leaks_no_device_memory_fd_or_thread(voi
 typedef struct gpu_fault {
     int R, early, delay_rank, rc_dispatch[4], rc_combine[4], rc_destroy[4];
     char msg[4][1024];
+    const char *volatile stage[4]; /* where each rank is, for the watchdog */
 } gpu_fault;
 
 static int gpu_fault_rank(rank_ctx *r)
@@ -767,12 +769,14 @@ static int gpu_fault_rank(rank_ctx *r)
      * behind each other (the library refuses it) */
     if (cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess)
         return HEP_ERR_CUDA;
+    f->stage[r->rank] = "group create";
     rc = hep_group_create_ex(&c, &r->bs, 0, &hooks, &g);
     if (rc) {
         cudaStreamDestroy(st);
         return rc;
     }
     if (r->rank != f->early) {
+        f->stage[r->rank] = "allocating inputs";
         cudaMalloc(&x, 32 * FAULT_H * 2);
         cudaMalloc(&y, 32 * FAULT_H * 2);
         cudaMemset(x, 0, 32 * FAULT_H * 2);
@@ -793,11 +797,17 @@ static int gpu_fault_rank(rank_ctx *r)
             da.stream = st;
             if (r->rank == f->delay_rank)
                 usleep(200 * 1000); /* later than a wrapped bound, far inside a capped one */
+            f->stage[r->rank] = "hep_dispatch";
             f->rc_dispatch[r->rank] = hep_dispatch(g, &da, &dr);
             if (f->rc_dispatch[r->rank] == HEP_OK) {
                 hep_combine_args ca = {dr.handle, hep_combine_input(g), y, st, 0};
+                f->stage[r->rank] = "hep_combine";
                 f->rc_combine[r->rank] = hep_combine(g, &ca);
             }
+            /* cudaFree synchronizes the whole device: only once this rank's calls ended */
+            f->stage[r->rank] = "cudaStreamSynchronize";
+            cudaStreamSynchronize(st);
+            f->stage[r->rank] = "freeing inputs";
             snprintf(f->msg[r->rank], sizeof(f->msg[0]), "%s", hep_last_error());
             cudaFree(didx);
             cudaFree(dw);
@@ -805,6 +815,7 @@ static int gpu_fault_rank(rank_ctx *r)
         cudaFree(x);
         cudaFree(y);
     }
+    f->stage[r->rank] = "hep_group_destroy";
     f->rc_destroy[r->rank] = hep_group_destroy(g);
     if (f->rc_destroy[r->rank])
         snprintf(f->msg[r->rank], sizeof(f->msg[0]), "%s", hep_last_error());
@@ -851,6 +862,51 @@ static void gpu_destroy_after_a_timeout_frees_all_device_memory(void **state)
     }
 }
 
+/* A test whose waits are longer than the run: after `seconds` the watchdog prints where
+ * each rank is and ends the process (a failure, never a hang). */
+static struct {
+    pthread_t t;
+    pthread_mutex_t m;
+    pthread_cond_t c;
+    int on;
+    gpu_fault *f;
+    int seconds;
+} dog = {.m = PTHREAD_MUTEX_INITIALIZER, .c = PTHREAD_COND_INITIALIZER};
+
+static void *watchdog_main(void *arg)
+{
+    struct timespec until;
+    (void)arg;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += dog.seconds;
+    pthread_mutex_lock(&dog.m);
+    while (dog.on)
+        if (pthread_cond_timedwait(&dog.c, &dog.m, &until) == ETIMEDOUT && dog.on) {
+            fprintf(stderr, "watchdog: the test did not end within %d s; ranks:\n", dog.seconds);
+            for (int r = 0; r < 4; r++)
+                fprintf(stderr, "  rank %d: in %s\n", r, dog.f->stage[r] ? dog.f->stage[r] : "?");
+            fflush(stderr);
+            _exit(3);
+        }
+    pthread_mutex_unlock(&dog.m);
+    return NULL;
+}
+
+static void start_watchdog(gpu_fault *f, int seconds)
+{
+    dog.f = f, dog.seconds = seconds, dog.on = 1;
+    assert_int_equal(pthread_create(&dog.t, NULL, watchdog_main, NULL), 0);
+}
+
+static void stop_watchdog(void)
+{
+    pthread_mutex_lock(&dog.m);
+    dog.on = 0;
+    pthread_cond_signal(&dog.c);
+    pthread_mutex_unlock(&dog.m);
+    pthread_join(dog.t, NULL);
+}
+
 /* D8 on the GPU: HEP_TIMEOUT_MS = 18446744073710 used to become timeout_ns = 0.45 ms after
  * 64-bit wrap; capped, a rank that starts 200 ms late is no timeout. */
 static void gpu_huge_timeout_is_capped_not_wrapped_into_a_tiny_kernel_bound(void **state)
@@ -866,7 +922,10 @@ static void gpu_huge_timeout_is_capped_not_wrapped_into_a_tiny_kernel_bound(void
     f.delay_rank = 1;
     setenv("HEP_TIMEOUT_MS", "18446744073710", 1);
     hep_env_reload();
+    /* the kernels' bound is now a day: a hang must still end this test, and say where */
+    start_watchdog(&f, 120);
     assert_int_equal(run_ranks(4, gpu_fault_rank, &f, ctx), 0);
+    stop_watchdog();
     unsetenv("HEP_TIMEOUT_MS");
     hep_env_reload();
     for (int r = 0; r < 4; r++) {
@@ -901,5 +960,7 @@ int main(void)
                cudaGetErrorString(cudaGetLastError()));
         return 77; /* ctest: skipped, not passed */
     }
+    if (getenv("HEP_GPU_TEST_FILTER")) /* e.g. "*huge_timeout*": one case of the binary */
+        cmocka_set_test_filter(getenv("HEP_GPU_TEST_FILTER"));
     return cmocka_run_group_tests_name("gpu_ep", tests, NULL, NULL);
 }
