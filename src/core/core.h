@@ -32,10 +32,6 @@ void hep_log_set_sink(hep_log_sink sink, void *ctx);
 
 /* ---- env knobs: all read here, once, into one struct ---- */
 typedef enum { HEP_MR_MODE_AUTO = 0, HEP_MR_MODE_DMABUF = 1, HEP_MR_MODE_LEGACY = 2 } hep_mr_mode;
-/* engine: batched copies with the hint to run them on the copy engines, beside the
- * kernels (a plain device-to-device cudaMemcpyAsync may run as a copy kernel on the SMs,
- * which the ranks' waiting kernels hold); plain: cudaMemcpyAsync (for comparison). */
-typedef enum { HEP_LOOPBACK_COPY_ENGINE = 0, HEP_LOOPBACK_COPY_PLAIN = 1 } hep_loopback_copy;
 typedef struct hep_env {
     int log_level;          /* HEP_LOG_LEVEL: error|warn|info|debug (default info) */
     int mr_mode;            /* HEP_GPU_MR_MODE: auto|dmabuf|legacy (default auto) */
@@ -50,8 +46,6 @@ typedef struct hep_env {
                                of each random delay injected where the inter-node path
                                orders its writes (hep_debug_jitter; kernels: block start) */
     uint64_t jitter_seed;   /* HEP_DEBUG_JITTER_SEED: seed of those delays (default 1) */
-    int loopback_copy;      /* HEP_LOOPBACK_COPY: engine|plain (default engine): how the
-                               loopback NIC copies device memory (HEP_LOOPBACK_COPY_*) */
     char errors[512];       /* what could not be parsed, "" if all were fine */
 } hep_env;
 /* The parsed knobs (read on first use). */

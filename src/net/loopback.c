@@ -29,7 +29,6 @@ typedef struct lb_nic {
     cudaStream_t stream; /* copies of device memory; never waits for the kernels */
     cudaEvent_t last;
     int have_stream;
-    int no_batch;        /* the runtime refused a batched copy: plain copies */
     hep_net_completion *done; /* completions waiting to be polled */
     int ndone, cap;
 } lb_nic;
@@ -178,32 +177,6 @@ static int push_completion(lb_nic *n, uint64_t wr_id, int status, int peer)
     return HEP_OK;
 }
 
-/* One device copy on the NIC's stream. Virtual nodes share one GPU, and the ranks' kernels
- * that wait for this data hold nearly every SM: a device-to-device cudaMemcpyAsync may run
- * as a copy kernel on the SMs and then crawls on the few left. A batched copy with the
- * overlap hint asks for the copy engines instead, as a NIC's DMA would not take SMs
- * either. A runtime that refuses the batched form gets the plain copy from then on. */
-static cudaError_t engine_copy(lb_nic *n, void *dst, const void *src, size_t len)
-{
-    cudaError_t e;
-    if (hep_env_get()->loopback_copy == HEP_LOOPBACK_COPY_ENGINE && !n->no_batch) {
-        struct cudaMemcpyAttributes at;
-        size_t idx = 0;
-        memset(&at, 0, sizeof(at));
-        at.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-        at.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-        e = cudaMemcpyBatchAsync(&dst, &src, &len, 1, &at, &idx, 1, n->stream);
-        if (e != cudaErrorNotSupported && e != cudaErrorInvalidValue &&
-            e != cudaErrorCallRequiresNewerDriver)
-            return e;
-        (void)cudaGetLastError();
-        n->no_batch = 1;
-        hep_log(HEP_LOG_INFO, "loopback NIC: batched copies refused (%s): plain copies from now on",
-                cudaGetErrorString(e));
-    }
-    return cudaMemcpyAsync(dst, src, len, cudaMemcpyDefault, n->stream);
-}
-
 /* device: copy with the copy engine of GPU `gpu` (the source's, where it is device
  * memory), on the NIC's stream there. */
 static int lb_copy(lb_nic *n, void *dst, const void *src, size_t len, int device, int gpu)
@@ -236,7 +209,7 @@ static int lb_copy(lb_nic *n, void *dst, const void *src, size_t len, int device
                             cudaGetErrorString(e));
         n->have_stream = 1;
     }
-    e = engine_copy(n, dst, src, len);
+    e = cudaMemcpyAsync(dst, src, len, cudaMemcpyDefault, n->stream);
     if (e == cudaSuccess)
         e = cudaEventRecord(n->last, n->stream);
     if (e != cudaSuccess)

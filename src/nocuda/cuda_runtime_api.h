@@ -15,9 +15,7 @@ typedef enum cudaError {
     cudaSuccess = 0,
     cudaErrorInvalidValue = 1,
     cudaErrorMemoryAllocation = 2,
-    cudaErrorCallRequiresNewerDriver = 36,
     cudaErrorNoDevice = 100,
-    cudaErrorNotSupported = 801,
     cudaErrorPeerAccessAlreadyEnabled = 704,
     cudaErrorNotReady = 600
 } cudaError_t;
@@ -52,17 +50,6 @@ enum cudaMemcpyKind {
     cudaMemcpyDeviceToHost = 2,
     cudaMemcpyDeviceToDevice = 3,
     cudaMemcpyDefault = 4
-};
-/* the batched copy of the loopback NIC (the fields it sets) */
-enum cudaMemcpySrcAccessOrder { cudaMemcpySrcAccessOrderStream = 0x1 };
-enum cudaMemcpyFlags { cudaMemcpyFlagPreferOverlapWithCompute = 0x1 };
-struct cudaMemLocation {
-    int type, id;
-};
-struct cudaMemcpyAttributes {
-    enum cudaMemcpySrcAccessOrder srcAccessOrder;
-    struct cudaMemLocation srcLocHint, dstLocHint;
-    unsigned int flags;
 };
 enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
 enum cudaStreamCaptureStatus {
@@ -110,9 +97,6 @@ cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes);
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, enum cudaMemcpyKind k);
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcpyKind k,
                             cudaStream_t s);
-cudaError_t cudaMemcpyBatchAsync(void *const *dsts, const void *const *srcs, const size_t *sizes,
-                                 size_t count, struct cudaMemcpyAttributes *attrs,
-                                 size_t *attrs_idxs, size_t num_attrs, cudaStream_t s);
 cudaError_t cudaMemset(void *p, int v, size_t n);
 cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s);
 cudaError_t cudaPointerGetAttributes(struct cudaPointerAttributes *a, const void *p);

@@ -108,13 +108,6 @@ cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, enum cudaMemcp
 {
     return (void)s, cudaMemcpy(dst, src, n, k);
 }
-cudaError_t cudaMemcpyBatchAsync(void *const *dsts, const void *const *srcs, const size_t *sizes,
-                                 size_t count, struct cudaMemcpyAttributes *attrs,
-                                 size_t *attrs_idxs, size_t num_attrs, cudaStream_t s)
-{
-    (void)dsts, (void)srcs, (void)sizes, (void)count, (void)attrs, (void)attrs_idxs;
-    return (void)num_attrs, (void)s, cudaErrorNoDevice;
-}
 cudaError_t cudaMemset(void *p, int v, size_t n)
 {
     return (void)p, (void)v, (void)n, cudaErrorNoDevice;
