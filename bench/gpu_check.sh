@@ -12,7 +12,8 @@
 #     virtual nodes over the loopback NIC, STRESS_CALLS (10000) calls a shape within
 #     STRESS_SECONDS (150) a shape, with HEP_DEBUG_JITTER_US=STRESS_JITTER_US (20), then
 #     STRESS_SAN_CALLS (200) calls a shape under compute-sanitizer memcheck and racecheck
-#     (not part of `all`: name it)
+#     (not part of `all`: name it); STRESS_PLAIN=0 leaves the plain run out
+#   TEST_FILTER: a cmocka pattern (e.g. '*huge_timeout*') for the cases `test` runs
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hep-gpu}
@@ -32,7 +33,7 @@ step() { echo; echo "=== $* ($(date +%T))"; }
 if want test; then
   {
     step "GPU tests (kernels vs host backend and oracle, graph replay, timeout, DMA-BUF)"
-    timeout 300 $B/test_gpu_ep
+    HEP_GPU_TEST_FILTER=${TEST_FILTER:-} timeout 300 $B/test_gpu_ep
     echo "test_gpu_ep exit: $?"
   } > "$OUT/test.txt" 2>&1
   grep -vE '^\[ *(RUN|OK) \]|unavailable; using DMA-BUF' "$OUT/test.txt" | tail -60
@@ -100,16 +101,18 @@ fi
 if named stress; then
   {
     J=${STRESS_JITTER_US:-20}
-    step "stress_internode gpu: ${STRESS_CALLS:-10000} calls a shape, HEP_DEBUG_JITTER_US=$J"
-    HEP_GPU_MR_MODE=dmabuf HEP_LOG_LEVEL=warn HEP_DEBUG_JITTER_US=$J \
-      HEP_STRESS_CALLS=${STRESS_CALLS:-10000} HEP_STRESS_SECONDS=${STRESS_SECONDS:-150} \
-      timeout 540 $B/stress_internode gpu
-    echo "stress_internode gpu exit: $?"
+    if [ "${STRESS_PLAIN:-1}" != 0 ]; then
+      step "stress_internode gpu: ${STRESS_CALLS:-10000} calls a shape, HEP_DEBUG_JITTER_US=$J"
+      HEP_GPU_MR_MODE=dmabuf HEP_LOG_LEVEL=warn HEP_DEBUG_JITTER_US=$J \
+        HEP_STRESS_CALLS=${STRESS_CALLS:-10000} HEP_STRESS_SECONDS=${STRESS_SECONDS:-150} \
+        timeout 540 $B/stress_internode gpu
+      echo "stress_internode gpu exit: $?"
+    fi
     for tool in memcheck racecheck; do
       step "compute-sanitizer $tool stress_internode gpu: ${STRESS_SAN_CALLS:-200} calls a shape"
       HEP_GPU_MR_MODE=dmabuf HEP_LOG_LEVEL=warn HEP_DEBUG_JITTER_US=$J HEP_TIMEOUT_MS=20000 \
         HEP_STRESS_CALLS=${STRESS_SAN_CALLS:-200} HEP_STRESS_SECONDS=${STRESS_SAN_SECONDS:-60} \
-        timeout 250 compute-sanitizer --tool $tool $B/stress_internode gpu
+        timeout ${STRESS_SAN_LIMIT:-250} compute-sanitizer --tool $tool $B/stress_internode gpu
       echo "compute-sanitizer $tool exit: $?"
     done
   } > "$OUT/stress.txt" 2>&1
