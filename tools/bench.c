@@ -60,6 +60,8 @@ typedef struct bench {
     double ceiling_gbs;   /* device (or host) copy, read + write */
     char nic[32];         /* N > 1: the NIC the proxy drove (rank 0's) */
     bench_ceilings ceil;  /* device: copy, write-only, read-only */
+    double lb_gbs[2];     /* loopback NIC, per phase: W streams copying that phase's network
+                             bytes a rank at once, SMs idle (read + written); 0: not measured */
     void *ref_event;      /* rank 0's reference event of the current iteration */
     FILE *json_out;       /* --json-file, opened before the run so a bad path fails first */
 } bench;
@@ -243,6 +245,22 @@ static void net_per_call(const bench *b, int phase, double *bytes, double *wrs, 
     *bytes /= (double)b->W * b->o.iters;
     *wrs /= (double)b->W * b->o.iters;
     *lat_us = nflags ? lat / nflags / 1e3 : NAN;
+}
+
+/* The loopback NIC moves each rank's network bytes with device copies on a stream of its
+ * own: the same bytes on W streams at once, with the SMs idle, are the floor of that part
+ * of a phase (the copy engines' rate, not a NIC's line rate). */
+static void loopback_yardstick(bench *b)
+{
+    char why[256];
+    for (int k = 0; k < 2; k++) {
+        double bytes, wrs, lat;
+        net_per_call(b, k, &bytes, &wrs, &lat);
+        b->lb_gbs[k] = 0;
+        if (bytes >= 16 && ceil_stream_copies(0, b->W, (size_t)bytes, 5, &b->lb_gbs[k], why,
+                                              sizeof(why)))
+            fprintf(stderr, "[bench] loopback copy yardstick: %s\n", why), b->lb_gbs[k] = 0;
+    }
 }
 
 /* The host-backend pass: same inputs, results compared with what the GPU gave. */
@@ -755,6 +773,10 @@ static void json_head(hep_json *j, const bench *b, const char *gpu_name, int rea
     json_int(j, "warmup", o->host ? 0 : o->warmup);
     json_bool(j, "verified", !o->host && b->verify_bad == 0);
     json_num(j, "ceiling_gbs", b->ceiling_gbs);
+    if (b->lb_gbs[0] > 0 || b->lb_gbs[1] > 0) {
+        json_num(j, "loopback_stream_copy_gbs_dispatch", b->lb_gbs[0]);
+        json_num(j, "loopback_stream_copy_gbs_combine", b->lb_gbs[1]);
+    }
     if (!o->host) {
         json_num(j, "write_ceiling_gbs", b->ceil.write);
         json_num(j, "read_ceiling_gbs", b->ceil.read);
@@ -840,6 +862,15 @@ static void report_text(const bench *b, const phase_row *ph, int n, const char *
             printf("%-11s %14.0f %10.1f %10.1f %12.0f %16.1f\n", pr->name, bytes,
                    bytes / (pr->ms * 1e-3) / 1e9, wrs, wrs / (pr->ms * 1e-3), lat);
         }
+        for (int k = 0; k < 2; k++)
+            if (b->lb_gbs[k] > 0) {
+                double bytes, wrs, lat;
+                net_per_call(b, k, &bytes, &wrs, &lat);
+                printf("loopback copies, %s: %d streams of %.1f MB at once (SMs idle) move "
+                       "%.0f GB/s (read + written): %.3f ms for the phase's network bytes\n",
+                       ph[1 + k].name, b->W, bytes / 1e6, b->lb_gbs[k],
+                       2.0 * bytes * b->W / (b->lb_gbs[k] * 1e9) * 1e3);
+            }
         printf("network bytes: rows, routing and scales (dispatch) or partial sums (combine) "
                "the proxy wrote to other nodes, counts and flags excluded; writes = work "
                "requests (data and flags); ready->flag = from a slot seen complete by the "
@@ -1081,6 +1112,8 @@ int hep_cmd_bench(int argc, char **argv)
         return sweep(&b, gpu_name, sm_count, reached);
     if ((rc = gpu_run(&b, b.o.sms, ph)))
         return rc;
+    if (b.o.nodes > 1 && !strcmp(b.nic, "loopback"))
+        loopback_yardstick(&b);
     if (!b.o.as_json) {
         printf("verified against the host backend: every received row, probability%s, count "
                "and combined element equal on all %d ranks\n",

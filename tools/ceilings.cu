@@ -191,3 +191,75 @@ out:
         cudaStreamDestroy(st);
     return rc;
 }
+
+// The loopback NIC's yardstick: `streams` streams each copying `bytes` device to device
+// with cudaMemcpyAsync at the same time, the SMs idle, as the NICs of that many virtual
+// ranks copy. *gbs = all streams' bytes (read + written) over the median time of `iters`
+// runs, from the first start to the last end, after one warm-up.
+extern "C" int ceil_stream_copies(int device, int streams, size_t bytes, int iters, double *gbs,
+                                  char *why, size_t why_len)
+{
+    enum { MAXS = 64 };
+    void *a[MAXS] = {0}, *c[MAXS] = {0};
+    cudaStream_t st[MAXS] = {0};
+    cudaEvent_t e0 = NULL, done[MAXS] = {0};
+    cudaStream_t lead = NULL;
+    double *t = NULL;
+    int rc = -1;
+    if (streams < 1 || streams > MAXS || bytes == 0 || iters < 1) {
+        snprintf(why, why_len, "stream copies: %d streams (1..%d), %zu bytes, %d iterations",
+                 streams, MAXS, bytes, iters);
+        return -1;
+    }
+    t = (double *)malloc(sizeof(double) * (size_t)iters);
+    if (!t) {
+        snprintf(why, why_len, "stream copies: out of host memory");
+        return -1;
+    }
+    CK(cudaSetDevice(device));
+    CK(cudaStreamCreateWithFlags(&lead, cudaStreamNonBlocking));
+    CK(cudaEventCreate(&e0));
+    for (int s = 0; s < streams; s++) {
+        CK(cudaStreamCreateWithFlags(&st[s], cudaStreamNonBlocking));
+        CK(cudaEventCreate(&done[s]));
+        CK(cudaMalloc(&a[s], bytes));
+        CK(cudaMalloc(&c[s], bytes));
+        CK(cudaMemset(a[s], 1, bytes));
+    }
+    CK(cudaDeviceSynchronize());
+    for (int k = -1; k < iters; k++) {
+        float ms = 0;
+        CK(cudaEventRecord(e0, lead));
+        for (int s = 0; s < streams; s++) {
+            CK(cudaStreamWaitEvent(st[s], e0, 0));
+            CK(cudaMemcpyAsync(c[s], a[s], bytes, cudaMemcpyDeviceToDevice, st[s]));
+            CK(cudaEventRecord(done[s], st[s]));
+            CK(cudaStreamWaitEvent(lead, done[s], 0));
+        }
+        CK(cudaEventRecord(done[0], lead)); // after every stream's copy
+        CK(cudaEventSynchronize(done[0]));
+        CK(cudaEventElapsedTime(&ms, e0, done[0]));
+        if (k >= 0)
+            t[k] = ms;
+    }
+    qsort(t, (size_t)iters, sizeof(double), cmp_d);
+    *gbs = 2.0 * (double)bytes * streams / (t[iters / 2] * 1e-3) / 1e9;
+    rc = 0;
+out:
+    free(t);
+    for (int s = 0; s < streams; s++) {
+        if (a[s])
+            cudaFree(a[s]);
+        if (c[s])
+            cudaFree(c[s]);
+        if (done[s])
+            cudaEventDestroy(done[s]);
+        if (st[s])
+            cudaStreamDestroy(st[s]);
+    }
+    if (e0)
+        cudaEventDestroy(e0);
+    if (lead)
+        cudaStreamDestroy(lead);
+    return rc;
+}

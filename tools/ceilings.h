@@ -24,6 +24,12 @@ int ceil_whole_gpu(int device, bench_ceilings *out, char *why, size_t why_len);
 int ceil_same_sm_copy(int device, int blocks, size_t rows, size_t row_bytes, int iters,
                       double *ms, char *why, size_t why_len);
 
+/* The loopback NIC's yardstick: `streams` streams each copying `bytes` device to device
+ * (cudaMemcpyAsync) at once on `device`, SMs idle. *gbs counts every stream's bytes read +
+ * written over the median time of `iters` runs. 0, or -1 with why. */
+int ceil_stream_copies(int device, int streams, size_t bytes, int iters, double *gbs, char *why,
+                       size_t why_len);
+
 /* SMs of `device`, or -1 with why. */
 int ceil_sm_count(int device, char *why, size_t why_len);
 

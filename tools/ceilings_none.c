@@ -20,6 +20,14 @@ int ceil_same_sm_copy(int device, int blocks, size_t rows, size_t row_bytes, int
     return -1;
 }
 
+int ceil_stream_copies(int device, int streams, size_t bytes, int iters, double *gbs, char *why,
+                       size_t why_len)
+{
+    (void)device, (void)streams, (void)bytes, (void)iters, (void)gbs;
+    snprintf(why, why_len, NO_CUDA);
+    return -1;
+}
+
 int ceil_sm_count(int device, char *why, size_t why_len)
 {
     (void)device;
