@@ -15,8 +15,6 @@
 #     with HEP_DEBUG_NET_HOST=1 (the NIC's buffers in mapped host memory, copied by the CPU:
 #     under the sanitizer a copy on a CUDA stream is held behind the kernel waiting for it)
 #     (not part of `all`: name it); STRESS_PLAIN=0 leaves the plain run out
-#   loopsplit: the 2 x 4 and 4 x 2 benches (bf16) with HEP_LOOPBACK_SPLIT=1, then 4
-#     (not part of `all`: name it)
 #   TEST_FILTER: a cmocka pattern (e.g. '*huge_timeout*') for the cases `test` runs
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -95,18 +93,6 @@ if want nodes; then
       done
     done
   } 2>&1 | tee "$OUT/bench_nodes.txt" | grep -vE '^\[bench\]'
-fi
-if named loopsplit; then
-  {
-    for split in 1 4; do
-      for shape in "2 4" "4 2"; do
-        set -- $shape
-        step "HEP_LOOPBACK_SPLIT=$split hybridep bench --nodes $1 --ranks-per-node $2 ${BENCH_ARGS:-}"
-        HEP_LOOPBACK_SPLIT=$split HEP_GPU_MR_MODE=dmabuf HEP_LOG_LEVEL=warn $B/hybridep bench \
-          --nodes "$1" --ranks-per-node "$2" ${BENCH_ARGS:-}
-      done
-    done
-  } 2>&1 | tee "$OUT/loopsplit.txt" | grep -E '^===|^(dispatch|combine) |^loopback|verified|rror|timed out'
 fi
 if want python; then
   step "python package on the GPU (8 processes, with and without MPS)"

@@ -413,13 +413,6 @@ static void env_rejects_signed_and_oversized_values_and_caps_the_timeout(void **
     setenv("HEP_DEBUG_NET_HOST", "1", 1);
     assert_int_equal(hep_env_reload()->net_host, 1);
     unsetenv("HEP_DEBUG_NET_HOST");
-    setenv("HEP_LOOPBACK_SPLIT", "9", 1);
-    e = hep_env_reload();
-    assert_int_equal(e->loopback_split, 1);
-    assert_non_null(strstr(e->errors, "HEP_LOOPBACK_SPLIT='9'"));
-    setenv("HEP_LOOPBACK_SPLIT", "4", 1);
-    assert_int_equal(hep_env_reload()->loopback_split, 4);
-    unsetenv("HEP_LOOPBACK_SPLIT");
     hep_env_reload();
 }
 

@@ -13,8 +13,6 @@
 #include "net/net.h"
 
 #define LB_MAX_MRS 65536
-#define LB_MAX_SPLIT 8
-#define LB_SPLIT_MIN (4u << 20) /* writes below this go in one piece */
 
 typedef struct lb_mr {
     struct ibv_mr mr;   /* first: the helper sees a plain ibv_mr */
@@ -31,12 +29,6 @@ typedef struct lb_nic {
     cudaStream_t stream; /* copies of device memory; never waits for the kernels */
     cudaEvent_t last;
     int have_stream;
-    /* HEP_LOOPBACK_SPLIT = k > 1: a large write is cut into k parts on k streams (rails)
-     * that fork from `stream` and join back into it, so later writes (its flag) still
-     * follow all of it */
-    int split;
-    cudaStream_t rail[LB_MAX_SPLIT];
-    cudaEvent_t fork, join[LB_MAX_SPLIT];
     hep_net_completion *done; /* completions waiting to be polled */
     int ndone, cap;
 } lb_nic;
@@ -185,31 +177,6 @@ static int push_completion(lb_nic *n, uint64_t wr_id, int status, int peer)
     return HEP_OK;
 }
 
-/* Part k of a large copy on rail k (rail 0 is the NIC's stream): every rail starts after
- * what the stream held before (fork) and the stream waits for every rail (join). */
-static cudaError_t split_copy(lb_nic *n, void *dst, const void *src, size_t len)
-{
-    const size_t part = (len / (size_t)n->split + 4095) / 4096 * 4096;
-    cudaError_t e = cudaEventRecord(n->fork, n->stream);
-    for (int k = 0; e == cudaSuccess && k < n->split; k++) {
-        size_t off = (size_t)k * part, bytes;
-        cudaStream_t s = k ? n->rail[k] : n->stream;
-        if (off >= len)
-            break;
-        bytes = len - off < part ? len - off : part;
-        if (k)
-            e = cudaStreamWaitEvent(s, n->fork, 0);
-        if (e == cudaSuccess)
-            e = cudaMemcpyAsync((char *)dst + off, (const char *)src + off, bytes,
-                                cudaMemcpyDefault, s);
-        if (e == cudaSuccess && k)
-            e = cudaEventRecord(n->join[k], s);
-        if (e == cudaSuccess && k)
-            e = cudaStreamWaitEvent(n->stream, n->join[k], 0);
-    }
-    return e;
-}
-
 /* device: copy with the copy engine of GPU `gpu` (the source's, where it is device
  * memory), on the NIC's stream there. */
 static int lb_copy(lb_nic *n, void *dst, const void *src, size_t len, int device, int gpu)
@@ -237,34 +204,12 @@ static int lb_copy(lb_nic *n, void *dst, const void *src, size_t len, int device
             e = cudaStreamCreateWithFlags(&n->stream, cudaStreamNonBlocking);
         if (e == cudaSuccess)
             e = cudaEventCreateWithFlags(&n->last, cudaEventDisableTiming);
-        if (e == cudaSuccess)
-            e = cudaEventCreateWithFlags(&n->fork, cudaEventDisableTiming);
-        if (e != cudaSuccess) { /* nothing kept: the next write tries again */
-            if (n->last)
-                cudaEventDestroy(n->last);
-            if (n->stream)
-                cudaStreamDestroy(n->stream);
-            n->last = NULL, n->stream = NULL;
+        if (e != cudaSuccess)
             return hep_fail(HEP_ERR_CUDA, "loopback NIC: cannot create its copy stream: %s",
                             cudaGetErrorString(e));
-        }
-        n->have_stream = 1; /* from here on, what was created is destroyed with the NIC */
-        n->split = 1;
-        for (int k = 1; e == cudaSuccess && k < (int)hep_env_get()->loopback_split; k++) {
-            e = cudaStreamCreateWithFlags(&n->rail[k], cudaStreamNonBlocking);
-            if (e == cudaSuccess)
-                e = cudaEventCreateWithFlags(&n->join[k], cudaEventDisableTiming);
-            if (e == cudaSuccess)
-                n->split = k + 1;
-        }
-        if (e != cudaSuccess)
-            return hep_fail(HEP_ERR_CUDA, "loopback NIC: cannot create its copy streams: %s",
-                            cudaGetErrorString(e));
+        n->have_stream = 1;
     }
-    if (n->split > 1 && len >= LB_SPLIT_MIN)
-        e = split_copy(n, dst, src, len);
-    else
-        e = cudaMemcpyAsync(dst, src, len, cudaMemcpyDefault, n->stream);
+    e = cudaMemcpyAsync(dst, src, len, cudaMemcpyDefault, n->stream);
     if (e == cudaSuccess)
         e = cudaEventRecord(n->last, n->stream);
     if (e != cudaSuccess)
@@ -351,14 +296,6 @@ static void lb_destroy(hep_net *net)
     lb_nic *n = (lb_nic *)net;
     if (n->have_stream) {
         cudaStreamSynchronize(n->stream);
-        for (int k = 1; k < LB_MAX_SPLIT; k++) {
-            if (n->rail[k])
-                cudaStreamDestroy(n->rail[k]);
-            if (n->join[k])
-                cudaEventDestroy(n->join[k]);
-        }
-        if (n->fork)
-            cudaEventDestroy(n->fork);
         cudaEventDestroy(n->last);
         cudaStreamDestroy(n->stream);
     }

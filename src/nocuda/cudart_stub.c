@@ -166,10 +166,6 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
     return (void)e, (void)s, cudaErrorNoDevice;
 }
 cudaError_t cudaEventQuery(cudaEvent_t e) { return (void)e, cudaErrorNoDevice; }
-cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags)
-{
-    return (void)s, (void)e, (void)flags, cudaErrorNoDevice;
-}
 cudaError_t cudaEventSynchronize(cudaEvent_t e) { return (void)e, cudaErrorNoDevice; }
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b)
 {
