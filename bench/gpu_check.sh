@@ -12,8 +12,6 @@
 #     virtual nodes over the loopback NIC, STRESS_CALLS (10000) calls a shape within
 #     STRESS_SECONDS (150) a shape, with HEP_DEBUG_JITTER_US=STRESS_JITTER_US (20), then
 #     STRESS_SAN_CALLS (200) calls a shape under compute-sanitizer memcheck and racecheck
-#     with HEP_DEBUG_NET_HOST=1 (the NIC's buffers in mapped host memory, copied by the CPU:
-#     under the sanitizer a copy on a CUDA stream is held behind the kernel waiting for it)
 #     (not part of `all`: name it); STRESS_PLAIN=0 leaves the plain run out
 #   TEST_FILTER: a cmocka pattern (e.g. '*huge_timeout*') for the cases `test` runs
 set -uo pipefail
@@ -112,7 +110,7 @@ if named stress; then
     fi
     for tool in memcheck racecheck; do
       step "compute-sanitizer $tool stress_internode gpu: ${STRESS_SAN_CALLS:-200} calls a shape"
-      HEP_DEBUG_NET_HOST=1 HEP_LOG_LEVEL=warn HEP_DEBUG_JITTER_US=$J HEP_TIMEOUT_MS=20000 \
+      HEP_GPU_MR_MODE=dmabuf HEP_LOG_LEVEL=warn HEP_DEBUG_JITTER_US=$J HEP_TIMEOUT_MS=20000 \
         HEP_STRESS_CALLS=${STRESS_SAN_CALLS:-200} HEP_STRESS_SECONDS=${STRESS_SAN_SECONDS:-60} \
         timeout ${STRESS_SAN_LIMIT:-250} compute-sanitizer --tool $tool $B/stress_internode gpu
       echo "compute-sanitizer $tool exit: $?"

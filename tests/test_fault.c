@@ -406,13 +406,6 @@ static void env_rejects_signed_and_oversized_values_and_caps_the_timeout(void **
     assert_string_equal(e->nic_map, "0:mlx5_0,1:mlx5_1");
     assert_string_equal(e->errors, "");
     unsetenv("HEP_NIC_MAP");
-    setenv("HEP_DEBUG_NET_HOST", "2", 1);
-    e = hep_env_reload();
-    assert_int_equal(e->net_host, 0);
-    assert_non_null(strstr(e->errors, "HEP_DEBUG_NET_HOST='2'"));
-    setenv("HEP_DEBUG_NET_HOST", "1", 1);
-    assert_int_equal(hep_env_reload()->net_host, 1);
-    unsetenv("HEP_DEBUG_NET_HOST");
     hep_env_reload();
 }
 

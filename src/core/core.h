@@ -46,11 +46,6 @@ typedef struct hep_env {
                                of each random delay injected where the inter-node path
                                orders its writes (hep_debug_jitter; kernels: block start) */
     uint64_t jitter_seed;   /* HEP_DEBUG_JITTER_SEED: seed of those delays (default 1) */
-    int net_host;           /* HEP_DEBUG_NET_HOST: 1 puts a GPU group's local arena (the
-                               inter-node slots, staging and flags) in host memory mapped
-                               into the device, so that the loopback NIC copies with the CPU
-                               and issues no CUDA stream operation (debug: the inter-node
-                               path under compute-sanitizer); default 0 */
     char errors[512];       /* what could not be parsed, "" if all were fine */
 } hep_env;
 /* The parsed knobs (read on first use). */

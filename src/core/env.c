@@ -107,7 +107,6 @@ static void env_read(hep_env *e)
                              "an integer in 0..1000000 (microseconds)", 0);
     e->jitter_seed = parse_u64(e, "HEP_DEBUG_JITTER_SEED", 1, 0, UINT64_MAX,
                                "a non-negative integer", 0);
-    e->net_host = (int)parse_u64(e, "HEP_DEBUG_NET_HOST", 0, 0, 1, "0 or 1", 0);
     gid = getenv("HEP_IB_GID_INDEX");
     e->gid_index = -1;
     if (gid && *gid)

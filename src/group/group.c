@@ -184,7 +184,6 @@ static int all_on_one_host(const rank_card *cards, int world);
 static int alloc_arenas(hep_group *g)
 {
     int host = g->cfg.backend == HEP_BACKEND_HOST;
-    g->local_host = !host && g->N > 1 && hep_env_get()->net_host;
     for (int a = 0; a < HEP_ARENA_COUNT; a++) {
         size_t bytes = g->plan.arena_bytes[a];
         cudaError_t e = cudaSuccess;
@@ -197,11 +196,6 @@ static int alloc_arenas(hep_group *g)
                 return hep_fail(HEP_ERR_NOMEM, "group: %zu bytes of host memory for the %s arena",
                                 bytes, hep_arena_name(a));
             memset(p, 0, bytes);
-        } else if (a == HEP_ARENA_LOCAL && g->local_host) {
-            /* debug: the NIC's buffers where the CPU can copy them (HEP_DEBUG_NET_HOST) */
-            e = cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
-            if (e == cudaSuccess)
-                memset(p, 0, bytes);
         } else if (a == HEP_ARENA_SHARED || a == HEP_ARENA_LOCAL) {
             e = cudaMalloc(&p, bytes);
             if (e == cudaSuccess)
@@ -245,7 +239,7 @@ static void free_arenas(hep_group *g)
             continue;
         if (host)
             free(g->arena[a]);
-        else if (a == HEP_ARENA_SHARED || (a == HEP_ARENA_LOCAL && !g->local_host))
+        else if (a == HEP_ARENA_SHARED || a == HEP_ARENA_LOCAL)
             cudaFree(g->arena[a]);
         else
             cudaFreeHost(g->arena[a]);
@@ -368,7 +362,7 @@ static int setup_internode(hep_group *g, const rank_card *cards, const hep_group
 {
     hep_coord_options o = {0, NULL, 0};
     int rc;
-    o.host_memory = g->cfg.backend == HEP_BACKEND_HOST || g->local_host;
+    o.host_memory = g->cfg.backend == HEP_BACKEND_HOST;
     o.loopback = transport_is_loopback(hooks);
     if (!hooks || !hooks->transport)
         if (strcmp(hep_env_get()->nic, "auto") == 0 && all_on_one_host(cards, g->world) &&

@@ -53,8 +53,6 @@ struct hep_group {
     uint64_t copy_bytes;            /* written into caller memory by dispatches */
     int last_call;                  /* host backend: 1 dispatch, 2 combine, 0 none yet */
     int broken;                     /* a timeout left the flags inconsistent */
-    int local_host;                 /* GPU backend, HEP_DEBUG_NET_HOST: the local arena is
-                                       host memory mapped into the device */
     char broken_msg[1024];
 };
 
