@@ -5,9 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cmake -S . -B build/gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHEP_CUDA_ARCHS=90 -DHEP_WITH_MPI=OFF \
   -DBUILD_TESTING=ON >/dev/null
-cmake --build build/gpu -j"$(nproc)" --target hybridep_cli hybridep test_gpu_ep stress_internode >/dev/null
+cmake --build build/gpu -j"$(nproc)" --target hybridep_cli hybridep test_gpu_ep test_gpu_train stress_internode >/dev/null
 rm -rf .gpu && mkdir -p .gpu/lib .gpu/src
-cp build/gpu/tools/hybridep build/gpu/tests/test_gpu_ep build/gpu/tests/stress_internode .gpu/
+cp build/gpu/tools/hybridep build/gpu/tests/test_gpu_ep build/gpu/tests/test_gpu_train \
+  build/gpu/tests/stress_internode .gpu/
 # the command links libhybridep.so (found through LD_LIBRARY_PATH=.gpu/lib there); the
 # Python package's GPU run takes the library from .gpu/src (HEP_BUILD_DIR=.gpu)
 cp -L build/gpu/src/libhybridep.so.0.1 .gpu/lib/

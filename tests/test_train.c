@@ -1,7 +1,7 @@
 /* The training API on the host backend (hybridep.h, "the training API"): handles that the
  * caller keeps, outputs in caller memory, the expert-major layout with padding and a row
  * budget, probabilities through combine; each against an oracle computed here from the
- * global inputs. `test_train --gpu` checks that the GPU backend refuses what it lacks. */
+ * global inputs. `test_train --gpu` checks what the GPU backend takes and refuses. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -645,8 +645,10 @@ static void bad_handles_and_options_are_refused_with_reasons(void **s)
             fail_msg("%d failures; first: %s", c.bad[r], c.msg[r]);
 }
 
-/* The GPU backend refuses every new option with HEP_ERR_UNAVAILABLE, and its one-shot
- * path through hep_dispatch_ex without options still works. */
+/* The GPU backend (one node) takes a caller handle (here with no tokens) and combines
+ * with it, refuses the expert-major layout and probabilities without a handle with
+ * HEP_ERR_UNAVAILABLE, and its one-shot path through hep_dispatch_ex without options still
+ * works. tests/test_gpu_train.c checks the outputs against the host backend. */
 static int gpu_refusal(void)
 {
     hep_inproc_world *w = NULL;
@@ -659,6 +661,7 @@ static int gpu_refusal(void)
     hep_dispatch_result dr;
     hep_combine_args ca;
     hep_combine_opts co;
+    float p = 0;
     int fails = 0;
     if (hep_gpu_probe(0)) {
         printf("skipped: no usable GPU: %s\n", hep_last_error());
@@ -673,21 +676,25 @@ static int gpu_refusal(void)
     da.topk = 1;
     memset(&x, 0, sizeof(x));
     x.handle = h;
-    fails += hep_dispatch_ex(g, &da, &x, &dr) != HEP_ERR_UNAVAILABLE ||
-             !strstr(hep_last_error(), "GPU kernels");
+    fails += hep_dispatch_ex(g, &da, &x, &dr) != HEP_OK || dr.handle != 0;
     x.handle = NULL;
     x.layout = HEP_LAYOUT_EXPERT_MAJOR;
     x.num_permuted_tokens = 16;
     x.recv_tokens = &fails; /* never written: refused first */
     x.recv_probs = (float *)&fails;
-    fails += hep_dispatch_ex(g, &da, &x, &dr) != HEP_ERR_UNAVAILABLE;
+    fails += hep_dispatch_ex(g, &da, &x, &dr) != HEP_ERR_UNAVAILABLE ||
+             !strstr(hep_last_error(), "GPU kernels");
     memset(&x, 0, sizeof(x));
     fails += hep_dispatch_ex(g, &da, &x, &dr) != HEP_OK || dr.handle == 0;
     memset(&ca, 0, sizeof(ca));
     memset(&co, 0, sizeof(co));
     ca.handle = dr.handle;
+    co.probs_in = &p;
+    co.probs_out = &p;
+    fails += hep_combine_ex(g, &ca, &co) != HEP_ERR_UNAVAILABLE; /* no handle: no routing */
+    co.probs_in = co.probs_out = NULL;
     co.handle = h;
-    fails += hep_combine_ex(g, &ca, &co) != HEP_ERR_UNAVAILABLE;
+    fails += hep_combine_ex(g, &ca, &co) != HEP_OK; /* the handle's layout, not the one-shot */
     fails += hep_combine(g, &ca) != HEP_OK;
     if (fails)
         printf("FAIL: %d checks (last error: %s)\n", fails, hep_last_error());

@@ -68,9 +68,11 @@ typedef struct hep_config {
                              1..W x T. A dispatch that needs more rows on any rank writes
                              nothing into any rank's receive buffers and fails on every rank
                              with HEP_ERR_OVERFLOW; the group stays usable. `hybridep plan`
-                             prints what uniform routing needs. Host backend only: the GPU
-                             kernels do not check a capacity yet, so group creation refuses a
-                             non-zero value there with HEP_ERR_UNAVAILABLE. */
+                             prints what uniform routing needs. GPU backend: one node (the
+                             layout step sees every rank's rows in the counts it exchanges;
+                             with HEP_ASYNC the error surfaces at hep_group_sync and a combine
+                             of that call does nothing); across nodes group creation refuses
+                             a non-zero value with HEP_ERR_UNAVAILABLE. */
 } hep_config;
 
 /* Fill *c with the defaults above (the fields without a default are zero). */
@@ -190,8 +192,10 @@ int hep_combine(hep_group *g, const hep_combine_args *a);
 /* ---------------------------------------------------------------- the training API
  *
  * Handles. A hep_handle is a library-owned object: hep_handle_create allocates it once
- * (host memory for the host backend; the GPU kernels would add device memory of their
- * own), every dispatch given it records its layout there, and every later combine, and
+ * (host memory for the host backend; with the GPU backend and one node also one device
+ * allocation on the group's GPU, freed by hep_handle_destroy, that the kernels write and
+ * read: the positions of this rank's tokens at each node-mate, its row bases, the counts
+ * and the routing), every dispatch given it records its layout there, and every later combine, and
  * any dispatch flagged HEP_REUSE_LAYOUT, reads that layout back. Why an object and not
  * caller memory of hep_handle_size() bytes: the checks that refuse a handle of another
  * group, of a group since destroyed, or one that holds no layout run on the host from
@@ -274,8 +278,11 @@ typedef struct hep_dispatch_opts {
  * hep_dispatch, and HEP_ERR_INVALID for a handle of another group (or of a destroyed one),
  * HEP_REUSE_LAYOUT with a handle that holds no layout or a different num_tokens, a bad
  * pad_multiple or budget, a missing expert-major buffer; HEP_ERR_UNAVAILABLE for what a
- * backend lacks (the message names it): the GPU kernels implement none of these options
- * yet; the host backend has all of them except expert-major across processes. */
+ * backend lacks (the message names it): the GPU kernels have handles, reuse and caller
+ * outputs (rank-major, copied from the group's buffers after the kernel: copy_bytes counts
+ * them in the blocking mode, 0 with HEP_ASYNC) with one node, not the expert-major layout
+ * and nothing of this across nodes; the host backend has all of them except expert-major
+ * across processes. */
 int hep_dispatch_ex(hep_group *g, const hep_dispatch_args *a, hep_dispatch_opts *opts,
                     hep_dispatch_result *out);
 
@@ -286,13 +293,21 @@ typedef struct hep_combine_opts {
 } hep_combine_opts;
 
 /* hep_combine with the options above (NULL opts: hep_combine). expert_out is [num_recv, H]
- * (rank-major) or [num_permuted_tokens, H] (expert-major) BF16 caller memory. Errors as
- * hep_combine, and HEP_ERR_INVALID for a handle of another group or without a layout,
- * probs_in without probs_out; HEP_ERR_UNAVAILABLE: the GPU kernels (all options), the host
- * backend's probabilities across nodes or processes. */
+ * (rank-major) or [num_permuted_tokens, H] (expert-major) BF16 caller memory. The GPU
+ * kernels copy it (and probs_in) into the group's exchange buffers, where the node-mates
+ * read it; that copy waits on the device until every node-mate finished the previous
+ * combine. Errors as hep_combine, and HEP_ERR_INVALID for a handle of another group or
+ * without a layout, probs_in without probs_out, expert_out == hep_combine_input(g) when
+ * that buffer no longer holds the handle's rows (another dispatch or a combine ran since);
+ * HEP_ERR_UNAVAILABLE: the GPU kernels across nodes, or probabilities without a caller
+ * handle (the one-shot layout records no routing); the host backend's probabilities
+ * across nodes or processes. */
 int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_opts *opts);
 
-/* Where to write expert outputs for a combine without a copy: [max_recv_rows, H] BF16.
+/* Where to write expert outputs for a combine without a copy: [max_recv_rows, H] BF16,
+ * for the combine that directly follows its dispatch (a handle combined later, or a second
+ * time, needs the outputs in memory of the caller's: the GPU kernels refuse this buffer
+ * then).
  * It shares bytes with the dispatch output tokens: with BF16, output row j is received
  * row j; with FP8 (H bytes a received row, 2 H an output row) output row j covers
  * received rows 2j and 2j + 1, so an expert that writes row j in place before it has read

@@ -21,6 +21,28 @@ static const char *stage_name(int s)
                                             : "?";
 }
 
+/* Point the kernels' layout (positions, row bases, counts, overflow word) at handle h's
+ * device memory, or (NULL) at the group's own buffers: handle.dest_rows, and in handle.meta
+ * [0, N x R) the row bases, then the counters (8-byte aligned, set in hep_ep_setup), the
+ * overflow word, the count, the tokens per expert, the work counters. */
+static void use_layout(hep_group *g, const hep_handle *h)
+{
+    hep_kargs *k = g->kargs;
+    if (h) {
+        k->dest_rows = h->d_rows;
+        k->meta = h->d_meta;
+        k->recv_count = h->d_counts;
+        k->over = h->d_counts + 1;
+        k->tokens_per_expert = h->d_counts + 2;
+        return;
+    }
+    k->dest_rows = (int *)hep_my_buf(g, HEP_BUF_HANDLE_ROWS);
+    k->meta = (int *)hep_my_buf(g, HEP_BUF_HANDLE_META);
+    k->over = k->meta + ((g->world + 1) & ~1) + 2 * 9; /* after the 9 u64 counters */
+    k->recv_count = k->over + 1;
+    k->tokens_per_expert = k->recv_count + 1;
+}
+
 int hep_ep_setup(hep_group *g)
 {
     hep_kargs *k;
@@ -37,6 +59,12 @@ int hep_ep_setup(hep_group *g)
             return hep_proxy_create(g->coord->net, &g->proxy);
         return HEP_OK;
     }
+    if (g->N > 1 && g->cfg.max_recv_rows)
+        return hep_fail(HEP_ERR_UNAVAILABLE,
+                        "config.max_recv_rows = %d: the GPU kernels check a receive capacity with "
+                        "one node only, not across %d nodes (use 0, the worst case, or the host "
+                        "backend)",
+                        g->cfg.max_recv_rows, g->N);
     if (g->R > HEP_GPU_MAX_LOCAL)
         return hep_fail(HEP_ERR_INVALID, "the GPU kernels support up to %d ranks per node, not %d",
                         HEP_GPU_MAX_LOCAL, g->R);
@@ -74,10 +102,8 @@ int hep_ep_setup(hep_group *g)
     k->El = g->cfg.experts_per_rank;
     k->esize = g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2;
     k->nscale = g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? g->cfg.hidden / HEP_FP8_BLOCK : 0;
-    k->dest_rows = (int *)hep_my_buf(g, HEP_BUF_HANDLE_ROWS);
-    k->meta = (int *)hep_my_buf(g, HEP_BUF_HANDLE_META);
-    /* meta: [0, N x R) bases; then the counters (8-byte aligned), the count, tokens per
-     * expert */
+    g->kargs = k;
+    use_layout(g, NULL);
     k->epoch = (unsigned long long *)(k->meta + ((g->world + 1) & ~1));
     k->grid_arrive = k->epoch + 1;
     k->layout_ready = k->epoch + 2;
@@ -86,8 +112,7 @@ int hep_ep_setup(hep_group *g)
     k->combine_done = k->epoch + 5;
     k->count_done = k->epoch + 6;
     k->grid_arrive2 = k->epoch + 7;
-    k->recv_count = (int *)(k->epoch + 8);
-    k->tokens_per_expert = k->recv_count + 1;
+    k->cepoch = k->epoch + 8;
     k->work = (unsigned *)(k->tokens_per_expert + k->El);
     k->node_pos = k->dest_rows + (size_t)g->cfg.max_tokens * (size_t)g->world;
     k->node_blocks = k->node_pos + (size_t)g->cfg.max_tokens * (size_t)g->N;
@@ -123,7 +148,6 @@ int hep_ep_setup(hep_group *g)
         k->counts[l] = (int *)hep_peer_buf(g, l, HEP_BUF_COUNTS);
         k->flags[l] = (unsigned long long *)hep_peer_buf(g, l, HEP_BUF_FLAGS);
     }
-    g->kargs = k;
     if (g->N > 1)
         return hep_proxy_create(g->coord->net, &g->proxy);
     return HEP_OK;
@@ -261,6 +285,15 @@ static int diag_status(hep_group *g, const char *call, void *stream)
         g->broken = 1;
         return hep_fail(HEP_ERR_TIMEOUT, "%s", g->broken_msg);
     }
+    if (d->overflow_claimed) {
+        const int over = d->overflow_rank, need = d->overflow_rows;
+        d->overflow_claimed = 0;
+        d->invalid_claimed = 0; /* nothing happened: no warning of it either */
+        return hep_fail(HEP_ERR_OVERFLOW,
+                        "%s: rank %d needs %d receive rows, more than config.max_recv_rows = %d; "
+                        "nothing was received on any rank and the group stays usable",
+                        call, over, need, g->cfg.max_recv_rows);
+    }
     if (d->invalid_claimed) {
         int tok = d->bad_token, slot = d->bad_slot;
         long long v = d->bad_value;
@@ -364,24 +397,59 @@ void hep_fill_dispatch_result(hep_group *g, hep_dispatch_result *o)
     }
 }
 
-int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *o)
+/* Bytes of the rank-major outputs that a blocking dispatch copied into caller memory. */
+static size_t copied_bytes(const hep_group *g, const hep_dispatch_opts *x, int rows)
 {
-    hep_kargs *k;
-    int rc = check_dispatch(g, a, o, HEP_ASYNC);
-    if (rc)
-        return rc;
-    if (g->cfg.backend == HEP_BACKEND_HOST)
-        return hep_host_dispatch(g, a, o);
-    k = g->kargs;
+    const size_t n = rows > 0 ? (size_t)rows : 0, H = (size_t)g->cfg.hidden;
+    const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3;
+    size_t b = 0;
+    if (x->recv_tokens)
+        b += n * H * (fp8 ? 1 : 2);
+    if (x->recv_probs)
+        b += n * (size_t)g->cfg.experts_per_rank * sizeof(float);
+    if (fp8 && x->recv_scales)
+        b += n * (H / HEP_FP8_BLOCK) * sizeof(float);
+    return b;
+}
+
+/* The GPU dispatch. x: the options (NULL: none); h: the caller handle to record into or,
+ * with HEP_REUSE_LAYOUT, to read (NULL: the one-shot layout in the group's buffers). */
+static int gpu_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_opts *x,
+                        hep_handle *h, hep_dispatch_result *o)
+{
+    hep_kargs *k = g->kargs;
+    const int reuse = (a->flags & HEP_REUSE_LAYOUT) != 0;
+    const int copy = x && (x->recv_tokens || x->recv_probs ||
+                           (x->recv_scales && g->cfg.dtype == HEP_DTYPE_FP8_E4M3));
+    int rc;
+    use_layout(g, h);
+    k->reuse = reuse;
+    k->cap = g->cfg.max_recv_rows;
+    k->rec_ids = h && !reuse ? h->d_ids : NULL;
+    k->rec_w = h && !reuse ? h->d_w : NULL;
     k->t = a->num_tokens;
-    k->K = a->topk;
-    k->index64 = a->index_type == HEP_INDEX_INT64;
+    if (reuse) { /* the recorded routing: int32 ids, the handle's slots */
+        k->K = h->topk;
+        k->index64 = 0;
+        k->topk_idx = h->d_ids;
+        k->weights = a->topk_weights ? a->topk_weights : h->d_w;
+    } else {
+        k->K = a->topk;
+        k->index64 = a->index_type == HEP_INDEX_INT64;
+        k->topk_idx = a->topk_idx;
+        k->weights = a->topk_weights;
+    }
     k->tokens = a->tokens;
     k->scales = a->scales;
-    k->topk_idx = a->topk_idx;
-    k->weights = a->topk_weights;
     k->timeout_ns = hep_timeout_ns(); /* capped: the kernels' bound arithmetic cannot wrap */
     k->jitter_ns = hep_env_get()->jitter_us * 1000ull; /* stress runs only; 0 by default */
+    if (h && !reuse) {
+        h->epoch = 0; /* holds no layout until this dispatch recorded it */
+        h->t = a->num_tokens;
+        h->topk = a->topk;
+        h->layout = HEP_LAYOUT_RANK_MAJOR;
+        h->pad = 1;
+    }
     if (g->N > 1) {
         rc = start_network(g, 0, g->cfg.dispatch_sms, a->stream, g->epoch + 1);
         if (rc)
@@ -391,16 +459,56 @@ int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *
             return cuda_status((cudaError_t)rc, "hep_dispatch: kernel launch");
     }
     rc = hep_launch_dispatch(k, g->cfg.dispatch_sms, a->stream);
+    if (rc == 0 && copy) {
+        k->out_tokens = x->recv_tokens;
+        k->out_probs = x->recv_probs;
+        k->out_scales = x->recv_scales;
+        rc = hep_launch_copy_out(k, 64, a->stream);
+    }
     if (rc)
         return cuda_status((cudaError_t)rc, "hep_dispatch: kernel launch");
     g->last_t = a->num_tokens;
-    g->last_handle = hep_handle_of(g, ++g->epoch);
+    g->x_epoch = ++g->epoch; /* exchange.token holds this call's rows */
+    g->last_handle = h ? 0 : hep_handle_of(g, g->epoch);
+    if (h)
+        h->epoch = g->epoch;
     hep_fill_dispatch_result(g, o);
     o->handle = g->last_handle;
     rc = finish(g, a->stream, a->flags, "dispatch");
+    if (rc == HEP_ERR_OVERFLOW) { /* no layout: no combine, no reuse */
+        g->last_handle = 0;
+        g->x_epoch = 0;
+        if (h)
+            h->epoch = 0;
+        o->handle = 0;
+    }
     if ((rc == HEP_OK || rc == HEP_WARN_IGNORED) && !(a->flags & HEP_ASYNC))
         o->num_recv = o->host_counts[0];
+    if (x) {
+        x->num_permuted = o->num_recv;
+        x->overflow = x->overflow_rows = 0;
+        x->tokens_per_expert = NULL;
+        /* the count is on the host in the blocking mode only */
+        x->copy_bytes = copy && o->num_recv > 0 ? copied_bytes(g, x, o->num_recv) : 0;
+        g->copy_bytes += x->copy_bytes;
+        if (x->recv_tokens)
+            o->tokens = x->recv_tokens;
+        if (x->recv_probs)
+            o->probs = x->recv_probs;
+        if (x->recv_scales && o->scales)
+            o->scales = x->recv_scales;
+    }
     return rc;
+}
+
+int hep_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *o)
+{
+    int rc = check_dispatch(g, a, o, HEP_ASYNC);
+    if (rc)
+        return rc;
+    if (g->cfg.backend == HEP_BACKEND_HOST)
+        return hep_host_dispatch(g, a, o);
+    return gpu_dispatch(g, a, NULL, NULL, o);
 }
 
 /* The training options of hep_dispatch_ex: 0, or the status that refuses them. */
@@ -446,16 +554,19 @@ static int check_dispatch_opts(hep_group *g, const hep_dispatch_args *a, const h
                         "hep_dispatch_ex: the expert-major layout writes into caller memory: "
                         "recv_tokens, recv_probs%s must be given",
                         fp8 ? " and recv_scales (FP8)" : "");
-    if (g->cfg.backend == HEP_BACKEND_GPU &&
-        (x->handle || layout != HEP_LAYOUT_RANK_MAJOR || x->recv_tokens || x->recv_probs ||
-         x->recv_scales))
+    if (g->cfg.backend == HEP_BACKEND_GPU && layout != HEP_LAYOUT_RANK_MAJOR)
         return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "hep_dispatch_ex: %s is not implemented by the GPU kernels yet (the host "
-                        "backend has it): use hep_dispatch with its one-shot handle and the "
-                        "zero-copy view",
+                        "hep_dispatch_ex: the expert-major layout is not implemented by the GPU "
+                        "kernels yet (the host backend has it): use the rank-major layout");
+    if (g->cfg.backend == HEP_BACKEND_GPU && g->N > 1 &&
+        (x->handle || x->recv_tokens || x->recv_probs || x->recv_scales))
+        return hep_fail(HEP_ERR_UNAVAILABLE,
+                        "hep_dispatch_ex: %s is implemented by the GPU kernels for one node only, "
+                        "not across %d nodes (the host backend has it): use hep_dispatch with its "
+                        "one-shot handle and the zero-copy view",
                         x->handle ? "a caller-owned handle (recording or reusing a layout)"
-                        : layout != HEP_LAYOUT_RANK_MAJOR ? "the expert-major layout"
-                                                          : "writing the outputs into caller memory");
+                                  : "writing the outputs into caller memory",
+                        g->N);
     if (g->shm && layout == HEP_LAYOUT_EXPERT_MAJOR)
         return hep_fail(HEP_ERR_UNAVAILABLE,
                         "hep_dispatch_ex: the expert-major layout needs the node-mates' layouts "
@@ -473,14 +584,8 @@ int hep_dispatch_ex(hep_group *g, const hep_dispatch_args *a, hep_dispatch_opts 
     if ((rc = check_dispatch(g, a, o, HEP_ASYNC | HEP_REUSE_LAYOUT)) ||
         (rc = check_dispatch_opts(g, a, x)))
         return rc;
-    if (g->cfg.backend == HEP_BACKEND_GPU) { /* no option set: the plain dispatch */
-        rc = hep_dispatch(g, a, o);
-        x->num_permuted = o->num_recv;
-        x->overflow = x->overflow_rows = 0;
-        x->copy_bytes = 0;
-        x->tokens_per_expert = NULL;
-        return rc;
-    }
+    if (g->cfg.backend == HEP_BACKEND_GPU)
+        return gpu_dispatch(g, a, x, x->handle, o);
     rc = hep_host_dispatch_ex(g, a, x, x->handle ? x->handle : g->own_handle, o);
     if (!x->handle && (rc == HEP_OK || rc == HEP_WARN_IGNORED))
         o->handle = g->last_handle = hep_handle_of(g, g->epoch); /* one-shot, as hep_dispatch */
@@ -498,6 +603,50 @@ static int check_combine_buffers(const hep_group *g, const hep_combine_args *a, 
     if (t == 0 && rows > 0 && (rc = check_ptr(a->expert_out, 16, "hep_combine: expert_out")))
         return rc;
     return HEP_OK;
+}
+
+/* The GPU combine with handle h (NULL: the one-shot layout in the group's buffers) and,
+ * with c, the probabilities. The caller's expert outputs (and probs_in) are copied into
+ * the group's exchange buffers, where the node-mates pull them; expert_out ==
+ * hep_combine_input(g) skips that copy, which is right only while the buffer still holds
+ * the rows of h's dispatch and no combine ran since (else a node-mate may still read it). */
+static int gpu_combine(hep_group *g, const hep_combine_args *a, const hep_handle *h,
+                       const hep_combine_opts *c)
+{
+    hep_kargs *k = g->kargs;
+    const void *x = hep_my_buf(g, HEP_BUF_TOKEN_X);
+    const uint64_t epoch = h ? h->epoch : g->epoch;
+    int rc = 0;
+    if (a->expert_out == x && g->x_epoch != epoch)
+        return hep_fail(HEP_ERR_INVALID,
+                        "hep_combine: expert_out is hep_combine_input(g), but that buffer no longer "
+                        "holds this layout's rows (%s): pass the expert outputs from memory of "
+                        "your own",
+                        g->x_epoch == 0 ? "a combine ran since its dispatch"
+                                        : "another dispatch ran since");
+    use_layout(g, h);
+    k->t = h ? h->t : g->last_t;
+    if (h) {
+        k->K = h->topk;
+        k->rec_ids = h->d_ids;
+    } else {
+        k->rec_ids = NULL;
+    }
+    k->probs_in = c ? c->probs_in : NULL;
+    k->probs_out = c && c->probs_in ? c->probs_out : NULL;
+    k->combine_out = a->out;
+    k->combine_in = a->expert_out && a->expert_out != x ? a->expert_out : NULL;
+    k->x_stride_in = g->cfg.hidden * 2;
+    if (g->N > 1 && (rc = start_network(g, 1, g->cfg.combine_sms, a->stream, g->epoch)))
+        return rc;
+    if (k->combine_in || k->probs_in)
+        rc = hep_launch_copy_in(k, 64, a->stream);
+    if (rc == 0)
+        rc = hep_launch_combine(k, g->cfg.combine_sms, a->stream);
+    if (rc)
+        return cuda_status((cudaError_t)rc, "hep_combine: kernel launch");
+    g->x_epoch = 0; /* from now on a node-mate may still read the buffer */
+    return finish(g, a->stream, a->flags, "combine");
 }
 
 /* What every combine checks first: the group, the arguments, the flags. */
@@ -524,12 +673,22 @@ int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_op
         return rc;
     if (!c->handle && !c->probs_in && !c->probs_out)
         return hep_combine(g, a); /* no option set */
-    if (g->cfg.backend == HEP_BACKEND_GPU)
+    if (!c->probs_in != !c->probs_out)
+        return hep_fail(HEP_ERR_INVALID, "hep_combine_ex: probs_in and probs_out go together "
+                        "(one of them is NULL)");
+    if (g->cfg.backend == HEP_BACKEND_GPU && g->N > 1)
         return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "hep_combine_ex: %s is not implemented by the GPU kernels yet (the host "
-                        "backend has it): use hep_combine with the one-shot handle",
+                        "hep_combine_ex: %s is implemented by the GPU kernels for one node only, "
+                        "not across %d nodes (the host backend has it): use hep_combine with the "
+                        "one-shot handle",
                         c->handle ? "combining with a caller-owned handle"
-                                  : "carrying probabilities back through combine");
+                                  : "carrying probabilities back through combine",
+                        g->N);
+    if (g->cfg.backend == HEP_BACKEND_GPU && c->probs_in && !c->handle)
+        return hep_fail(HEP_ERR_UNAVAILABLE,
+                        "hep_combine_ex: the GPU kernels carry probabilities back with a caller "
+                        "handle only (its dispatch recorded the routing; the one-shot layout "
+                        "keeps none): dispatch with hep_dispatch_opts.handle");
     if ((rc = check_stream(g, a->stream, "hep_combine")))
         return rc;
     if (!c->handle && g->last_handle == 0)
@@ -543,10 +702,7 @@ int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_op
     h = c->handle ? c->handle : g->own_handle;
     if ((rc = hep_handle_check(g, h, 1, "hep_combine_ex")))
         return rc;
-    if (!c->probs_in != !c->probs_out)
-        return hep_fail(HEP_ERR_INVALID, "hep_combine_ex: probs_in and probs_out go together "
-                        "(one of them is NULL)");
-    if (c->probs_in && (g->N > 1 || g->shm))
+    if (c->probs_in && g->cfg.backend == HEP_BACKEND_HOST && (g->N > 1 || g->shm))
         return hep_fail(HEP_ERR_UNAVAILABLE,
                         "hep_combine_ex: probabilities through combine are implemented for ranks "
                         "of one process on one node only (this group has %d nodes%s)",
@@ -556,7 +712,10 @@ int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_op
     if ((rc = check_combine_buffers(g, a, h->t,
                                     h->layout == HEP_LAYOUT_EXPERT_MAJOR ? h->num_permuted : 0)))
         return rc;
-    rc = hep_host_combine_ex(g, a, c);
+    if (g->cfg.backend == HEP_BACKEND_GPU)
+        rc = gpu_combine(g, a, c->handle, c);
+    else
+        rc = hep_host_combine_ex(g, a, c);
     if (!c->handle)
         g->last_handle = 0; /* the one-shot handle: once */
     return rc;
@@ -564,7 +723,6 @@ int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_op
 
 int hep_combine(hep_group *g, const hep_combine_args *a)
 {
-    hep_kargs *k;
     int rc;
     if ((rc = check_combine_call(g, a)))
         return rc;
@@ -582,23 +740,8 @@ int hep_combine(hep_group *g, const hep_combine_args *a)
         return rc;
     if (g->cfg.backend == HEP_BACKEND_HOST)
         rc = hep_host_combine(g, a);
-    else {
-        k = g->kargs;
-        k->combine_out = a->out;
-        k->t = g->last_t;
-        k->combine_in = a->expert_out;
-        k->x_stride_in = g->cfg.hidden * 2;
-        rc = 0;
-        if (g->N > 1 && (rc = start_network(g, 1, g->cfg.combine_sms, a->stream, g->epoch)))
-            return rc;
-        if (a->expert_out && a->expert_out != hep_my_buf(g, HEP_BUF_TOKEN_X))
-            rc = hep_launch_copy_in(k, 64, a->stream);
-        if (rc == 0)
-            rc = hep_launch_combine(k, g->cfg.combine_sms, a->stream);
-        if (rc)
-            return cuda_status((cudaError_t)rc, "hep_combine: kernel launch");
-        rc = finish(g, a->stream, a->flags, "combine");
-    }
+    else
+        rc = gpu_combine(g, a, NULL, NULL);
     g->last_handle = 0; /* once */
     return rc;
 }

@@ -52,6 +52,8 @@ struct hep_group {
     struct hep_handle *own_handle;  /* host backend: the layout of a one-shot dispatch */
     uint64_t copy_bytes;            /* written into caller memory by dispatches */
     int last_call;                  /* host backend: 1 dispatch, 2 combine, 0 none yet */
+    uint64_t x_epoch;               /* GPU: the dispatch whose rows exchange.token holds, 0 once
+                                       a combine ran after it (then no combine is in place) */
     int broken;                     /* a timeout left the flags inconsistent */
     char broken_msg[1024];
 };
@@ -72,8 +74,9 @@ int hep_host_dispatch_ex(hep_group *g, const hep_dispatch_args *a, hep_dispatch_
                          struct hep_handle *h, hep_dispatch_result *out);
 int hep_host_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_opts *c);
 /* A dispatch's layout as a later combine (or a dispatch with HEP_REUSE_LAYOUT) needs it.
- * The host backend fills every field; a GPU implementation would keep device pointers of
- * its own here (see docs/architecture.md, "Handles"). */
+ * The host backend fills every host field; the GPU backend (one node) keeps the layout in
+ * the handle's device memory and only tag, epoch, t, topk and layout on the host (see
+ * docs/architecture.md, "Handles"). */
 struct hep_handle {
     uint64_t tag;        /* the creating group's handle_tag */
     uint64_t epoch;      /* the group's dispatch count when it was recorded; 0: empty */
@@ -89,6 +92,17 @@ struct hep_handle {
     int64_t *tpe;        /* [El] expert-major: padded rows per expert as written */
     int *slot_t;         /* [N] N > 1: tokens of each other node's slot at this rank ... */
     int *slot_ids;       /* [N][T][kmax] ... and their routing */
+    /* GPU backend, one node: one device allocation (hep_handle_create allocates it on the
+     * group's GPU, hep_handle_destroy frees it) that the kernels write when a dispatch
+     * records into the handle and read in its combines and reuses */
+    void *dev;
+    int *d_rows;         /* [T][R] each own token's position among this rank's rows at each
+                            node-mate, or -1 (the dispatch kernel's dest_rows) */
+    int *d_meta;         /* [R] this rank's row base at each node-mate */
+    int *d_counts;       /* [0] rows received, [1] 1 if over the receive capacity, [2, 2 + El)
+                            tokens per local expert */
+    int *d_ids;          /* [T][kmax] the routing (int32, -1 = none), with the row width topk */
+    float *d_w;          /* [T][kmax] its weights */
 };
 /* group/handle.c */
 struct hep_handle *hep_handle_alloc(const hep_group *g);

@@ -2,8 +2,43 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cuda_runtime_api.h>
+
 #include "core/core.h"
 #include "group/group.h"
+
+/* The GPU layout of a handle (one node): one allocation on the group's GPU. */
+static int handle_device(const hep_group *g, struct hep_handle *h)
+{
+    const size_t T = (size_t)g->cfg.max_tokens, K = (size_t)g->cfg.max_topk;
+    const size_t R = (size_t)g->R, El = (size_t)g->cfg.experts_per_rank;
+    const size_t ints = T * R + R + 2 + El + T * K, bytes = (ints + T * K) * 4;
+    int prev = -1;
+    cudaError_t e = cudaGetDevice(&prev);
+    if (e == cudaSuccess && prev != g->device)
+        e = cudaSetDevice(g->device);
+    if (e == cudaSuccess)
+        e = cudaMalloc(&h->dev, bytes);
+    if (e == cudaSuccess)
+        e = cudaMemset(h->dev, 0, bytes);
+    if (prev >= 0 && prev != g->device)
+        (void)cudaSetDevice(prev); /* the caller's device back, whatever happened */
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        if (h->dev)
+            (void)cudaFree(h->dev);
+        h->dev = NULL;
+        return hep_fail(e == cudaErrorMemoryAllocation ? HEP_ERR_NOMEM : HEP_ERR_CUDA,
+                        "hep_handle_create: %zu bytes of device memory on GPU %d: %s", bytes,
+                        g->device, cudaGetErrorString(e));
+    }
+    h->d_rows = (int *)h->dev;
+    h->d_meta = h->d_rows + T * R;
+    h->d_counts = h->d_meta + R;
+    h->d_ids = h->d_counts + 2 + El;
+    h->d_w = (float *)(h->d_ids + T * K);
+    return HEP_OK;
+}
 
 struct hep_handle *hep_handle_alloc(const hep_group *g)
 {
@@ -41,6 +76,14 @@ int hep_handle_create(hep_group *g, hep_handle **out)
     if (!*out)
         return hep_fail(HEP_ERR_NOMEM, "hep_handle_create: out of memory for a handle of %d "
                         "tokens x %d slots", g->cfg.max_tokens, g->cfg.max_topk);
+    if (g->cfg.backend == HEP_BACKEND_GPU && g->N == 1) {
+        int rc = handle_device(g, *out);
+        if (rc) {
+            hep_handle_destroy(*out);
+            *out = NULL;
+            return rc;
+        }
+    }
     return HEP_OK;
 }
 
@@ -50,6 +93,8 @@ void hep_handle_destroy(hep_handle *h)
         return;
     free(h->ids), free(h->w), free(h->w_scratch), free(h->base), free(h->ebase);
     free(h->tpe), free(h->slot_t), free(h->slot_ids);
+    if (h->dev) /* any current device: the pointer names its own (unified addressing) */
+        (void)cudaFree(h->dev); /* nothing to report it to: the call returns nothing */
     free(h);
 }
 

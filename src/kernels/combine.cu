@@ -186,15 +186,61 @@ __device__ __forceinline__ void combine_row(const hep_kargs &a, const char *cons
         sum_rows<4, 2>(rs, s_x, parts, a.node, rb, T, out);
 }
 
+// The probabilities through combine (N = 1; the caller handle's routing in rec_ids): for
+// each own token i, probs_out[i][x] = destination d's prob row of the token at local expert
+// e, for every expert x = d El + e one of its slots chose; 0 elsewhere. One warp a token,
+// lane k its slot k. The node-mates' prob buffers hold their probs_in (copied in before
+// their COMBINE_READY, which this kernel acquired).
+__device__ void combine_probs(const hep_kargs &a, int gw, int nw)
+{
+    const int lane = threadIdx.x & 31, El = a.El;
+    const size_t E = (size_t)El * a.R;
+    for (int i = gw; i < a.t; i += nw) {
+        float *po = a.probs_out + (size_t)i * E;
+        for (size_t j = (size_t)lane; j < E; j += 32)
+            po[j] = 0.f;
+        __syncwarp(); /* the zeros before the values, lane to lane */
+        const int x = lane < a.K ? a.rec_ids[(size_t)i * a.K + lane] : -1;
+        if (x >= 0) {
+            const int d = x / El, ex = x % El;
+            const int row = ld_l2(a.meta + d) + ld_l2(a.dest_rows + (size_t)i * a.R + d);
+            po[x] = __ldcg(a.prob[d] + (size_t)row * El + ex);
+        }
+        __syncwarp();
+    }
+}
+
+// The last block of combine c to finish resets the work counters for the next call, sets
+// the combine count and publishes COMBINE_DONE = c: every block's reads of the node-mates'
+// buffers are done (each block fenced them before its arrival), so the next combine's
+// copy into X may overwrite them.
+__device__ __forceinline__ void combine_done(const hep_kargs &a, unsigned long long c)
+{
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned *done = a.work + HEP_WORK_COMBINE_DONE;
+        __threadfence(); /* this block's grabs and reads come before its arrival */
+        if (atomicAdd(done, 1u) == gridDim.x - 1) {
+            a.work[HEP_WORK_COMBINE] = 0;
+            *done = 0;
+            *a.cepoch = c;
+            fence_peers(a);
+            st_release_peers(a, a.flags[a.local] + HEP_FLAG_COMBINE_DONE, c);
+        }
+    }
+}
+
 __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
 {
     const int R = a.R, N = a.N, tid = threadIdx.x, S = gridDim.x, b = blockIdx.x;
     const int lane = tid & 31, wpb = blockDim.x >> 5, warp = tid >> 5;
     const int gw = b * wpb + warp, nw = S * wpb;
     const size_t rb = (size_t)a.H * 2, T = (size_t)a.T;
-    const unsigned long long e = *a.epoch;
+    const unsigned long long e = *a.epoch, c = *a.cepoch + 1;
     __shared__ const char *s_x[HEP_GPU_MAX_LOCAL]; /* see k_dispatch */
     __shared__ int s_last;
+    if (ld_l2(a.over)) /* the dispatch exceeded the capacity: no layout (every rank alike) */
+        return;
     block_start_jitter(a, e);
     if (tid < R)
         s_x[tid] = a.x[tid];
@@ -214,11 +260,11 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     }
     if (b == 0 && tid == 0) {
         fence_peers(a);
-        st_release_peers(a, a.flags[a.local] + HEP_FLAG_COMBINE_READY, e);
+        st_release_peers(a, a.flags[a.local] + HEP_FLAG_COMBINE_READY, c);
     }
     bool ok = true;
     if (tid < R)
-        ok = wait_mate(a, a.flags[tid] + HEP_FLAG_COMBINE_READY, e, HEP_STAGE_COMBINE, tid);
+        ok = wait_mate(a, a.flags[tid] + HEP_FLAG_COMBINE_READY, c, HEP_STAGE_COMBINE, tid);
     if (!block_all(ok))
         return;
     if (N > 1) {
@@ -285,20 +331,64 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     }
     (void)gw, (void)nw;
 #endif
-    work_done(a.work + HEP_WORK_COMBINE, 1, a.work + HEP_WORK_COMBINE_DONE);
+    if (a.probs_out)
+        combine_probs(a, gw, nw);
+    combine_done(a, c);
 }
 
-// Copy the caller's expert outputs into this rank's X (count read on the device).
+// Copy the caller's expert outputs into this rank's X and its probs_in into its prob
+// buffer (count read on the device), once every node-mate finished reading them in the
+// previous combine (COMBINE_DONE; at once unless two combines follow each other).
 __global__ void k_copy_in(hep_kargs a)
 {
     const size_t rb = (size_t)a.H * 2, nvec = rb / 16;
-    const size_t total = (size_t)*a.recv_count * nvec;
+    const size_t rows = (size_t)*a.recv_count, total = rows * nvec;
     const uint4 *src = (const uint4 *)a.combine_in;
     uint4 *dst = (uint4 *)a.x[a.local];
-    for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < total;
+    const unsigned long long prev = *a.cepoch;
+    bool ok = true;
+    if (threadIdx.x < a.R)
+        ok = wait_mate(a, a.flags[threadIdx.x] + HEP_FLAG_COMBINE_DONE, prev, HEP_STAGE_COMBINE,
+                       threadIdx.x);
+    if (!block_all(ok))
+        return;
+    for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; src && k < total;
          k += (size_t)gridDim.x * blockDim.x) {
         size_t r = k / nvec, c = k % nvec;
         dst[r * nvec + c] = __ldg((const uint4 *)((const char *)src + r * a.x_stride_in) + c);
+    }
+    if (a.probs_in) {
+        const size_t np = rows * (size_t)a.El;
+        float *pd = a.prob[a.local];
+        for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < np;
+             k += (size_t)gridDim.x * blockDim.x)
+            pd[k] = __ldg(a.probs_in + k);
+    }
+}
+
+// Dispatch outputs into caller memory: recv_count rows of this rank's X, prob and scale
+// buffers (after the dispatch kernel on the stream).
+__global__ void k_copy_out(hep_kargs a)
+{
+    const size_t rows = (size_t)*a.recv_count;
+    const size_t step = (size_t)gridDim.x * blockDim.x;
+    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (a.out_tokens) {
+        const size_t n = rows * ((size_t)a.H * a.esize / 16);
+        const uint4 *src = (const uint4 *)a.x[a.local];
+        uint4 *dst = (uint4 *)a.out_tokens;
+        for (size_t k = first; k < n; k += step)
+            dst[k] = __ldg(src + k);
+    }
+    if (a.out_probs) {
+        const size_t n = rows * (size_t)a.El;
+        for (size_t k = first; k < n; k += step)
+            a.out_probs[k] = __ldg(a.prob[a.local] + k);
+    }
+    if (a.out_scales && a.nscale) {
+        const size_t n = rows * (size_t)a.nscale;
+        for (size_t k = first; k < n; k += step)
+            a.out_scales[k] = __ldg(a.scale[a.local] + k);
     }
 }
 
@@ -314,11 +404,19 @@ extern "C" int hep_launch_copy_in(const hep_kargs *a, int blocks, void *stream)
     return (int)cudaGetLastError();
 }
 
+extern "C" int hep_launch_copy_out(const hep_kargs *a, int blocks, void *stream)
+{
+    k_copy_out<<<blocks, 512, 0, (cudaStream_t)stream>>>(*a);
+    return (int)cudaGetLastError();
+}
+
 extern "C" int hep_preload_combine(void)
 {
     cudaFuncAttributes fa;
     cudaError_t e = cudaFuncGetAttributes(&fa, (const void *)k_combine);
     if (e == cudaSuccess)
         e = cudaFuncGetAttributes(&fa, (const void *)k_copy_in);
+    if (e == cudaSuccess)
+        e = cudaFuncGetAttributes(&fa, (const void *)k_copy_out);
     return (int)e;
 }

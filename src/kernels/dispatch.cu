@@ -134,6 +134,37 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
         push_token(a, v, L, i, mybase, s_x, s_prob, s_scale);
 }
 
+// The end of every block: it arrives at every destination; block 0 waits for every
+// source's S arrivals here.
+__device__ __forceinline__ void arrive_all(const hep_kargs &a, unsigned long long e)
+{
+    const int R = a.R, tid = threadIdx.x;
+    __syncthreads();
+    if (tid == 0) {
+        fence_peers(a);
+        for (int d = 0; d < R; d++)
+            red_add_release_peers(a, a.flags[d] + HEP_FLAG_DISPATCH_ARRIVE + a.local, 1ull);
+    }
+    if (blockIdx.x == 0 && tid < R)
+        wait_mate(a, a.flags[a.local] + HEP_FLAG_DISPATCH_ARRIVE + tid,
+                  e * (unsigned long long)gridDim.x, HEP_STAGE_DISPATCH, tid);
+}
+
+// A caller handle records the routing for a later HEP_REUSE_LAYOUT dispatch and for the
+// probabilities of combine: [t][K] int32 ids (not in 0..E-1: -1, as the scan ignores them)
+// and the weights. Read only by later kernels.
+__device__ void record_routing(const hep_kargs &a)
+{
+    const long long E = (long long)a.El * a.R * a.N;
+    const size_t n = (size_t)a.t * a.K;
+    for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < n;
+         k += (size_t)gridDim.x * blockDim.x) {
+        const long long x = topk_at(a, (int)(k / a.K), (int)(k % a.K));
+        a.rec_ids[k] = x >= 0 && x < E ? (int)x : -1;
+        a.rec_w[k] = a.weights[k];
+    }
+}
+
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
 {
     extern __shared__ int sm[];
@@ -153,7 +184,28 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     }
     int *mine = a.counts[a.local] + (size_t)(e & 1) * N * R * (a.El + 1);
 
+    if (a.reuse) { // a handle's layout (N = 1): only the barrier of the layout step
+        grid_arrive(a.grid_arrive);
+        if (b == 0) {
+            if (!grid_wait(a, a.grid_arrive, e * (unsigned long long)S) || !layout_reuse(a, e, s))
+                return;
+            const unsigned long long t_layout = now_ns();
+            if (tid == 0) {
+                __threadfence();
+                st_release_gpu(a.layout_ready, e);
+            }
+            layout_report(a, s, t_start, t_layout);
+        } else if (!grid_wait(a, a.layout_ready, e)) {
+            return;
+        }
+        if (!ld_l2(a.over))
+            push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale);
+        arrive_all(a, e);
+        return;
+    }
     // 1. this rank's own tokens: positions within the block, counts
+    if (a.rec_ids)
+        record_routing(a);
     scan_list(a, list_of(a, a.node), a.node, true, s, mine);
     grid_arrive(a.grid_arrive);
     if (!grid_wait(a, a.grid_arrive, e * (unsigned long long)S))
@@ -173,8 +225,11 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
         return;
     }
 
-    // 3. push the own tokens (while the other nodes' rows may still travel), then theirs
-    push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale);
+    // 3. push the own tokens (while the other nodes' rows may still travel), then theirs;
+    // nothing when the layout exceeded the receive capacity (every rank decided the same)
+    const bool over = a.cap && ld_l2(a.over);
+    if (!over)
+        push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale);
     if (N > 1) {
         if (!wait_slots(a, a.slot_words + N, e, HEP_STAGE_NODE_DISPATCH))
             return;
@@ -192,15 +247,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
             push_list(a, v, L, s_x, s_prob, s_scale);
         }
     }
-    __syncthreads();
-    if (tid == 0) {
-        fence_peers(a);
-        for (int d = 0; d < R; d++)
-            red_add_release_peers(a, a.flags[d] + HEP_FLAG_DISPATCH_ARRIVE + a.local, 1ull);
-    }
-    if (b == 0 && tid < R)
-        wait_mate(a, a.flags[a.local] + HEP_FLAG_DISPATCH_ARRIVE + tid,
-                  e * (unsigned long long)S, HEP_STAGE_DISPATCH, tid);
+    arrive_all(a, e);
 }
 
 extern "C" size_t hep_dispatch_smem(int R, int El)

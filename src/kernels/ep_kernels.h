@@ -15,8 +15,22 @@
  *    block pushes rows, probabilities and scales into the destinations' buffers and adds 1
  *    to DISPATCH_ARRIVE[source] at each destination; block 0 waits until
  *    DISPATCH_ARRIVE[s] >= e * S for every source s.
- *  combine (S blocks): COMBINE_READY = e (its expert outputs are in place), waits for
- *    every node-mate's COMBINE_READY >= e, then pulls and sums the rows of its tokens.
+ *    With HEP_REUSE_LAYOUT (a.reuse) the scan and the counts are skipped: the positions,
+ *    row bases and counts are a handle's (a later call's scan never ran over them), and
+ *    block 0 only publishes COUNTS_READY = e and waits for every node-mate's (the barrier
+ *    that says every node-mate finished its calls before e, so that nobody still reads the
+ *    buffers this call writes). With a receive capacity (a.cap), block 0 knows every
+ *    destination's rows from the counts: if one exceeds it, no block pushes any row
+ *    (every rank decides the same from the same counts), the layout's overflow word is 1,
+ *    and the diag record names the rank.
+ *  combine (S blocks), call c (combines have their own count, c = *cepoch + 1: a handle
+ *    can be combined more than once, or two handles one after the other): the copy of the
+ *    caller's expert outputs into X first waits until every node-mate finished combine
+ *    c - 1 (COMBINE_DONE >= c - 1: nobody reads X any more); then COMBINE_READY = c (its
+ *    expert outputs are in place), waits for every node-mate's COMBINE_READY >= c, pulls
+ *    and sums the rows of its tokens; the last block to finish sets *cepoch = c and
+ *    COMBINE_DONE = c. A layout whose overflow word is 1 is not combined (every rank
+ *    skips it alike).
  * Every wait is bounded; on expiry the waiter raises this rank's ABORT word (device
  * memory; the other waiters see it at their next poll and return), fills the host-mapped
  * diag record and publishes whom it waited for in its BLAME word.
@@ -35,6 +49,7 @@
 #define HEP_FLAG_HOST_DONE 9        /* host backend: this rank finished reading, call e (dispatch; + 1: combine) */
 #define HEP_FLAG_BLAME 11           /* 0, or 1 + the rank this rank's kernels gave up on */
 #define HEP_FLAG_ABORT 12           /* 0, or 1 once a wait of this rank's kernels gave up */
+#define HEP_FLAG_COMBINE_DONE 13    /* this rank's combine c finished reading its node-mates */
 #define HEP_FLAG_DISPATCH_ARRIVE 16 /* [W]: blocks of source s that finished writing here */
 
 /* Layout of the proxy's ready counters (host-mapped u64), per phase (0 dispatch, 1
@@ -76,6 +91,8 @@ typedef struct hep_diag {
     unsigned long long t_start, t_layout; /* %globaltimer of the last dispatch: kernel start,
                                              layout ready (the preprocess part) */
     int via_plus1;                /* 0, or 1 + the node-mate that had given up on `peer` */
+    unsigned int overflow_claimed; /* a dispatch exceeded the receive capacity ... */
+    int overflow_rank, overflow_rows; /* ... the first rank over it and the rows it needed */
 } hep_diag;
 
 typedef struct hep_kargs {
@@ -99,6 +116,20 @@ typedef struct hep_kargs {
     int *block_counts;               /* [S][R] tokens per destination of each block */
     int *recv_count;                 /* device int */
     int *tokens_per_expert;          /* device [El] */
+    int *over;                       /* device int: 1 if the layout exceeded the capacity */
+    /* the training API (per call; see group/ep.c). dest_rows, meta, recv_count,
+     * tokens_per_expert and over point at the group's own layout buffers (the one-shot
+     * handle) or at a caller handle's device memory */
+    int reuse;                       /* 1: HEP_REUSE_LAYOUT (N = 1): no scan, the layout is there */
+    int cap;                         /* receive capacity in rows, or 0 (none) */
+    int *rec_ids;                    /* NULL, or the handle's [t][K] routing: dispatch records it
+                                        (ids not in 0..E-1 as -1), combine reads it (probs) */
+    float *rec_w;                    /* dispatch, with rec_ids: the handle's [t][K] weights */
+    unsigned long long *cepoch;      /* device-side combine counter */
+    const float *probs_in;           /* combine: [recv][El] f32 copied into prob[local], or NULL */
+    float *probs_out;                /* combine: [t][E] f32, or NULL */
+    void *out_tokens;                /* copy-out: the caller's rows (or NULL) ... */
+    float *out_probs, *out_scales;   /* ... probabilities, scales */
     unsigned *work;                  /* device [HEP_WORK_WORDS] */
     int *host_counts;                /* mapped host [1 + El] */
     hep_diag *diag;                  /* mapped host: written on failure only */
@@ -142,8 +173,13 @@ extern "C" {
 /* Each returns 0 or a cudaError_t of the launch. `stream` is a cudaStream_t. */
 int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream);
 int hep_launch_combine(const hep_kargs *a, int blocks, void *stream);
-/* Copy recv_count rows (read on the device) of combine_in into this rank's X. */
+/* Copy recv_count rows (read on the device) of combine_in into this rank's X (if
+ * combine_in) and of probs_in into its prob buffer (if probs_in), once every node-mate
+ * finished the previous combine. */
 int hep_launch_copy_in(const hep_kargs *a, int blocks, void *stream);
+/* Copy recv_count rows of this rank's X, prob and scale buffers to out_tokens, out_probs,
+ * out_scales (each only if not NULL): dispatch outputs in caller memory. */
+int hep_launch_copy_out(const hep_kargs *a, int blocks, void *stream);
 /* N > 1: pack this rank's tokens into the send staging of each node that needs them and
  * publish each block's rows to the proxy (runs before hep_launch_dispatch). */
 int hep_launch_node_pack(const hep_kargs *a, int blocks, void *stream);

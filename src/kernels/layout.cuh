@@ -158,6 +158,8 @@ static __device__ bool layout_publish(const hep_kargs &a, unsigned long long e, 
                 a.meta[(q / R) * R + d] = base + x - c;
             base += __shfl_sync(FULL, x, 31);
         }
+        if (lane == 0) /* s.tot was published above: now destination d's rows */
+            s.tot[d] = base;
     }
     // What this rank receives (j = 0) and per local expert (j > 0): every source's counts
     // at this rank, one load per (source, j) pair across the block.
@@ -173,12 +175,58 @@ static __device__ bool layout_publish(const hep_kargs &a, unsigned long long e, 
     for (int j = tid; j < N * (int)LW; j += blockDim.x)
         a.counts[a.local][(size_t)((e + 1) & 1) * N * LW + j] = 0;
     __syncthreads();
+    // The receive capacity: every rank sees every destination's rows in the same counts,
+    // so every rank takes the same decision; the first destination over it is named.
+    int over = -1;
+    if (a.cap)
+        for (int d = 0; d < R; d++)
+            if (s.tot[d] > a.cap) {
+                over = d;
+                break;
+            }
     for (int j = tid; j <= El; j += blockDim.x) {
+        if (over >= 0)
+            s.recv[j] = 0; /* nothing is received: a combine of it copies no row */
         if (j == 0)
             *a.recv_count = s.recv[0];
         else
             a.tokens_per_expert[j - 1] = s.recv[j];
     }
+    if (tid == 0) {
+        *a.over = over >= 0;
+        if (over >= 0) { /* host-mapped, on failure only */
+            a.diag->overflow_rank = a.rank0 + over;
+            a.diag->overflow_rows = s.tot[over];
+            __threadfence_system();
+            a.diag->overflow_claimed = 1u;
+        }
+    }
+    __syncthreads();
+    return true;
+}
+
+// Block 0, call e with HEP_REUSE_LAYOUT (N = 1): the layout is the handle's. Only the
+// barrier of the layout step: COUNTS_READY = e, every node-mate's, and the other parity of
+// the counts zeroed for call e + 1 (as layout_publish does). s.recv gets the handle's
+// counts for the host's copy; a handle whose layout overflowed overflows again.
+static __device__ bool layout_reuse(const hep_kargs &a, unsigned long long e, const layout_smem &s)
+{
+    const int R = a.R, El = a.El, N = a.N, tid = threadIdx.x;
+    const size_t LW = (size_t)R * (El + 1);
+    if (tid == 0) {
+        *a.epoch = e;
+        fence_peers(a);
+        st_release_peers(a, a.flags[a.local] + HEP_FLAG_COUNTS_READY, e);
+    }
+    bool ok = true;
+    if (tid < R)
+        ok = wait_mate(a, a.flags[tid] + HEP_FLAG_COUNTS_READY, e, HEP_STAGE_PREPROCESS, tid);
+    if (!block_all(ok))
+        return false;
+    for (int j = tid; j < N * (int)LW; j += blockDim.x)
+        a.counts[a.local][(size_t)((e + 1) & 1) * N * LW + j] = 0;
+    for (int j = tid; j <= El; j += blockDim.x)
+        s.recv[j] = j == 0 ? *a.recv_count : a.tokens_per_expert[j - 1];
     __syncthreads();
     return true;
 }

@@ -76,6 +76,7 @@ const char *cudaGetErrorName(cudaError_t e);
 cudaError_t cudaGetLastError(void);
 cudaError_t cudaGetDeviceCount(int *n);
 cudaError_t cudaSetDevice(int dev);
+cudaError_t cudaGetDevice(int *dev);
 cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int dev);
 cudaError_t cudaDeviceSynchronize(void);
 cudaError_t cudaDeviceGetAttribute(int *v, enum cudaDeviceAttr attr, int dev);

@@ -29,6 +29,7 @@ cudaError_t cudaGetDeviceCount(int *n)
 }
 
 cudaError_t cudaSetDevice(int dev) { return (void)dev, cudaErrorNoDevice; }
+cudaError_t cudaGetDevice(int *dev) { return (void)dev, cudaErrorNoDevice; }
 cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int dev)
 {
     return (void)p, (void)dev, cudaErrorNoDevice;

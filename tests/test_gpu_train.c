@@ -1,0 +1,704 @@
+/* The training API on the GPU backend (one node) against the host backend, bit for bit:
+ * caller handles recorded, reused (HEP_REUSE_LAYOUT with new tokens) and combined in an
+ * interleaved order, one of them twice; outputs in caller memory; probabilities through
+ * combine; BF16 and FP8; the receive capacity exactly met, one row short on one rank
+ * (HEP_ERR_OVERFLOW on every rank, no receive byte written), then fitting again; graph
+ * capture of the no-sync mode with every replay checked. The routing has repeated and
+ * unused slots, an expert nobody chooses and a token on every expert of a rank. Without a
+ * GPU it skips with the reason. HEP_GPU_TEST_SMALL=1 runs small shapes (compute-sanitizer).
+ *
+ * Each case runs the same per-rank sequence on a host-backend group and on a GPU group;
+ * the host run goes first and its outputs are the oracle the GPU run is compared with. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <cuda_runtime_api.h>
+
+#include "ep_case.h"
+#include "fake_mr.h"
+#include "ranks.h"
+
+#define MAXW 8
+#define MAXT 256
+#define KS 4
+#define EL 3
+#define STEPS 3 /* dispatches (A into hA, B into hB, A reused with new tokens) */
+#define COMBS 3 /* combines (hA, hB, hA again) */
+
+typedef struct tcase {
+    hep_config cfg;
+    int W, T, H, fp8, cap_mode; /* cap_mode: 0 none; 1 the capacity sequence */
+    int t[2][MAXW];
+    int ids[2][MAXW][MAXT * KS];
+    float w[2][MAXW][MAXT * KS];
+    int cap, cap_rank; /* cap_mode: the capacity (= set 0's most rows) and the rank of it */
+    int gpu, graph_replays;
+    /* outputs per rank (host memory): [0] host run, [1] GPU run */
+    struct rout {
+        int rc[16];
+        char err[512];
+        int nrecv[STEPS], counts[STEPS][1 + EL];
+        unsigned char *rows[STEPS];
+        float *probs[STEPS], *scales[STEPS];
+        uint16_t *comb[COMBS];
+        float *pout[COMBS];
+        int bad;
+        char msg[512];
+    } out[2][MAXW];
+} tcase;
+
+static unsigned lcg(unsigned *s)
+{
+    *s = *s * 1664525u + 1013904223u;
+    return *s >> 8;
+}
+
+static int small_only(void)
+{
+    const char *v = getenv("HEP_GPU_TEST_SMALL");
+    return v && *v == '1';
+}
+
+static size_t rbytes(const tcase *c)
+{
+    return (size_t)c->H * (c->fp8 ? 1 : 2);
+}
+
+/* Set a: random slots, some -1, some repeated; rank 0's token 0 on every expert of rank 1;
+ * nobody on expert 2 E_l + 1 (W > 2) or E_l - 1 (W = 2): an expert with no tokens. */
+static void make_case(tcase *c, int W, int T, int H, int fp8, unsigned seed)
+{
+    const int empty = W > 2 ? 2 * EL + 1 : EL - 1;
+    memset(c, 0, sizeof(*c));
+    c->W = W, c->T = T, c->H = H, c->fp8 = fp8;
+    c->cfg = test_config(H, T, EL, KS, fp8 ? HEP_DTYPE_FP8_E4M3 : HEP_DTYPE_BF16);
+    c->cfg.ranks_per_node = W;
+    c->cfg.dispatch_sms = 4;
+    c->cfg.combine_sms = 4;
+    for (int a = 0; a < 2; a++)
+        for (int r = 0; r < W; r++) {
+            c->t[a][r] = a == 0 ? T - 3 * r : 3 + (int)(lcg(&seed) % (unsigned)(T - 3));
+            for (int i = 0; i < T; i++)
+                for (int k = 0; k < KS; k++) {
+                    unsigned u = lcg(&seed);
+                    int x = u % 7 == 0 ? -1 : (int)(u % (unsigned)(W * EL));
+                    if (k > 0 && u % 5 == 0)
+                        x = c->ids[a][r][i * KS + k - 1];
+                    c->ids[a][r][i * KS + k] = x == empty ? -1 : x;
+                    c->w[a][r][i * KS + k] = (float)(1 + lcg(&seed) % 64) / 64.0f;
+                }
+        }
+    for (int k = 0; k < KS; k++)
+        c->ids[0][0][k] = k < EL ? EL + k : -1;
+}
+
+/* Rows rank d needs for set a. */
+static int need(const tcase *c, int a, int d)
+{
+    int n = 0;
+    for (int s = 0; s < c->W; s++)
+        for (int i = 0; i < c->t[a][s]; i++) {
+            int hit = 0;
+            for (int k = 0; k < KS; k++)
+                hit |= c->ids[a][s][i * KS + k] / EL == d && c->ids[a][s][i * KS + k] >= 0;
+            n += hit;
+        }
+    return n;
+}
+
+/* The capacity sequence: set 0 needs exactly the capacity at its fullest rank; set 1 is
+ * set 0 plus one token of rank 0 on that rank only (one row short). */
+static void make_cap_case(tcase *c, int W, int T, int H, unsigned seed)
+{
+    make_case(c, W, T - 1, H, 0, seed);
+    c->T = T;
+    c->cfg.max_tokens = T;
+    c->cap_mode = 1;
+    c->cap = -1;
+    for (int d = 0; d < W; d++)
+        if (need(c, 0, d) > c->cap)
+            c->cap = need(c, 0, d), c->cap_rank = d;
+    c->cfg.max_recv_rows = c->cap;
+    memcpy(c->ids[1], c->ids[0], sizeof(c->ids[0]));
+    memcpy(c->w[1], c->w[0], sizeof(c->w[0]));
+    memcpy(c->t[1], c->t[0], sizeof(c->t[0]));
+    for (int k = 0; k < KS; k++)
+        c->ids[1][0][c->t[0][0] * KS + k] = k == 0 ? c->cap_rank * EL : -1;
+    c->t[1][0]++;
+}
+
+/* Token of (set, rank, i, byte): a BF16 or FP8 pattern that is a function of its inputs
+ * (FP8: any byte but the NaN codes). */
+static void fill_tokens(const tcase *c, int set, int r, unsigned char *p, float *sc)
+{
+    const int ns = c->H / 128;
+    for (int i = 0; i < c->T; i++) {
+        if (c->fp8) {
+            for (int h = 0; h < c->H; h++)
+                p[(size_t)i * c->H + h] = (unsigned char)((i * 7 + h * 3 + r * 11 + set * 5) % 126);
+            for (int q = 0; q < ns; q++)
+                sc[i * ns + q] = 0.5f + (float)(r * 100 + i + q + set * 1000);
+        } else {
+            for (int h = 0; h < c->H; h++)
+                ((uint16_t *)p)[(size_t)i * c->H + h] =
+                    bf16_of((float)((i * 7 + h * 3 + r * 11 + set * 5) % 200) - 50.0f);
+        }
+    }
+}
+
+/* The buffers of one rank, in host memory (host backend) or device memory (GPU). */
+typedef struct mem {
+    int gpu;
+} mem;
+static void *m_alloc(const mem *m, size_t n)
+{
+    void *p = NULL;
+    n = n ? n : 16;
+    if (!m->gpu)
+        return calloc(1, n);
+    if (cudaMalloc(&p, n) != cudaSuccess)
+        return NULL;
+    return cudaMemset(p, 0xff, n) == cudaSuccess ? p : NULL;
+}
+static void m_free(const mem *m, void *p)
+{
+    if (m->gpu)
+        (void)cudaFree(p);
+    else
+        free(p);
+}
+static int m_put(const mem *m, void *dst, const void *src, size_t n)
+{
+    if (!m->gpu) {
+        memcpy(dst, src, n);
+        return 0;
+    }
+    return cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice) != cudaSuccess;
+}
+static void *m_get(const mem *m, const void *src, size_t n)
+{
+    void *h = malloc(n ? n : 1);
+    if (!h)
+        return NULL;
+    if (!m->gpu)
+        memcpy(h, src, n);
+    else if (cudaMemcpy(h, src, n, cudaMemcpyDeviceToHost) != cudaSuccess)
+        memset(h, 0xee, n);
+    return h;
+}
+
+typedef struct rank_bufs {
+    void *tok[2], *idx[2], *eo[2], *out;
+    float *sc[2], *w[2], *pin, *pout;
+    void *rtok[STEPS];
+    float *rprob[STEPS], *rscale[STEPS];
+} rank_bufs;
+
+#define FAIL(...)                                                                                \
+    do {                                                                                         \
+        snprintf(o->err, sizeof(o->err), __VA_ARGS__);                                           \
+        goto out;                                                                                \
+    } while (0)
+
+static int setup_bufs(tcase *c, int r, const mem *m, hep_group *g, rank_bufs *b)
+{
+    const size_t T = (size_t)c->T, H = (size_t)c->H, rb = rbytes(c), ns = H / 128;
+    hep_group_info gi;
+    size_t maxr;
+    memset(b, 0, sizeof(*b));
+    if (hep_group_get_info(g, &gi))
+        return 1;
+    maxr = gi.max_recv_rows;
+    for (int s = 0; s < 2; s++) {
+        unsigned char *ht = malloc(T * rb);
+        float *hs = malloc(sizeof(float) * (T * ns + 1));
+        uint16_t *he = malloc(maxr * H * 2);
+        if (!ht || !hs || !he)
+            return 1;
+        fill_tokens(c, s, r, ht, hs);
+        for (size_t j = 0; j < maxr; j++)
+            for (size_t h = 0; h < H; h++)
+                he[j * H + h] = ep_expert_value(r + 16 * s, (int)j, (int)h);
+        b->tok[s] = m_alloc(m, T * rb);
+        b->sc[s] = m_alloc(m, sizeof(float) * (T * ns + 1));
+        b->idx[s] = m_alloc(m, sizeof(int) * T * KS);
+        b->w[s] = m_alloc(m, sizeof(float) * T * KS);
+        b->eo[s] = m_alloc(m, maxr * H * 2);
+        if (!b->tok[s] || !b->sc[s] || !b->idx[s] || !b->w[s] || !b->eo[s] ||
+            m_put(m, b->tok[s], ht, T * rb) || m_put(m, b->sc[s], hs, sizeof(float) * T * ns) ||
+            m_put(m, b->idx[s], c->ids[s][r], sizeof(int) * T * KS) ||
+            m_put(m, b->w[s], c->w[s][r], sizeof(float) * T * KS) ||
+            m_put(m, b->eo[s], he, maxr * H * 2))
+            return 1;
+        free(ht), free(hs), free(he);
+    }
+    {
+        float *hp = malloc(sizeof(float) * maxr * EL);
+        if (!hp)
+            return 1;
+        for (size_t j = 0; j < maxr * EL; j++)
+            hp[j] = 0.25f + (float)(r * 100000 + (int)j);
+        b->pin = m_alloc(m, sizeof(float) * maxr * EL);
+        if (!b->pin || m_put(m, b->pin, hp, sizeof(float) * maxr * EL))
+            return 1;
+        free(hp);
+    }
+    b->out = m_alloc(m, T * H * 2);
+    b->pout = m_alloc(m, sizeof(float) * T * EL * (size_t)c->W);
+    for (int s = 0; s < STEPS; s++) {
+        b->rtok[s] = m_alloc(m, maxr * rb);
+        b->rprob[s] = m_alloc(m, sizeof(float) * maxr * EL);
+        b->rscale[s] = m_alloc(m, sizeof(float) * (maxr * ns + 1));
+        if (!b->rtok[s] || !b->rprob[s] || !b->rscale[s])
+            return 1;
+    }
+    return !b->out || !b->pout;
+}
+
+static void free_bufs(const mem *m, rank_bufs *b)
+{
+    for (int s = 0; s < 2; s++) {
+        m_free(m, b->tok[s]), m_free(m, b->sc[s]), m_free(m, b->idx[s]);
+        m_free(m, b->w[s]), m_free(m, b->eo[s]);
+    }
+    m_free(m, b->pin), m_free(m, b->out), m_free(m, b->pout);
+    for (int s = 0; s < STEPS; s++)
+        m_free(m, b->rtok[s]), m_free(m, b->rprob[s]), m_free(m, b->rscale[s]);
+}
+
+static hep_dispatch_args dargs(const tcase *c, int r, rank_bufs *b, int set, int tokset,
+                               void *stream, unsigned flags)
+{
+    hep_dispatch_args a;
+    memset(&a, 0, sizeof(a));
+    a.num_tokens = c->t[set][r];
+    a.tokens = b->tok[tokset];
+    a.scales = c->fp8 ? b->sc[tokset] : NULL;
+    a.topk_idx = b->idx[set];
+    a.index_type = HEP_INDEX_INT32;
+    a.topk = KS;
+    a.topk_weights = b->w[set];
+    a.stream = stream;
+    a.flags = flags;
+    return a;
+}
+
+/* Save step s's outputs (rows, probs, scales in caller memory; the counts). */
+static void save_dispatch(tcase *c, struct rout *o, const mem *m, rank_bufs *b, int s,
+                          const hep_dispatch_result *dr)
+{
+    const size_t n = dr->num_recv > 0 ? (size_t)dr->num_recv : 0, ns = (size_t)c->H / 128;
+    o->nrecv[s] = dr->num_recv;
+    for (int j = 0; j <= EL; j++)
+        o->counts[s][j] = dr->host_counts[j];
+    o->rows[s] = m_get(m, b->rtok[s], n * rbytes(c));
+    o->probs[s] = m_get(m, b->rprob[s], n * EL * sizeof(float));
+    o->scales[s] = c->fp8 ? m_get(m, b->rscale[s], n * ns * sizeof(float)) : NULL;
+}
+
+static void save_combine(tcase *c, struct rout *o, const mem *m, rank_bufs *b, int s, int t)
+{
+    o->comb[s] = m_get(m, b->out, (size_t)t * c->H * 2);
+    o->pout[s] = m_get(m, b->pout, (size_t)t * EL * c->W * sizeof(float));
+}
+
+static hep_dispatch_opts opts_into(rank_bufs *b, hep_handle *h, int s)
+{
+    hep_dispatch_opts x;
+    memset(&x, 0, sizeof(x));
+    x.handle = h;
+    x.recv_tokens = b->rtok[s];
+    x.recv_probs = b->rprob[s];
+    x.recv_scales = b->rscale[s];
+    return x;
+}
+
+static int do_combine(hep_group *g, hep_handle *h, rank_bufs *b, int eo, void *st, unsigned fl)
+{
+    hep_combine_args ca;
+    hep_combine_opts co;
+    memset(&ca, 0, sizeof(ca));
+    memset(&co, 0, sizeof(co));
+    ca.expert_out = b->eo[eo];
+    ca.out = b->out;
+    ca.stream = st;
+    ca.flags = fl;
+    co.handle = h;
+    co.probs_in = b->pin;
+    co.probs_out = b->pout;
+    return hep_combine_ex(g, &ca, &co);
+}
+
+static int compare_rank(tcase *c, int r, int step_only);
+
+/* The handle sequence: dispatch A into hA, B into hB (outputs in caller memory), combine
+ * hA, dispatch with hA's layout again (new tokens, recorded weights), combine hB, combine
+ * hA again (other expert outputs). Or the capacity sequence. */
+static int run_rank(rank_ctx *x)
+{
+    tcase *c = x->arg;
+    const int r = x->rank, side = c->gpu;
+    struct rout *o = &c->out[side][r];
+    const mem m = {c->gpu};
+    hep_config cfg = c->cfg;
+    hep_group *g = NULL;
+    hep_handle *hA = NULL, *hB = NULL;
+    cudaStream_t st = NULL;
+    rank_bufs b;
+    hep_dispatch_result dr;
+    hep_dispatch_opts xo;
+    hep_dispatch_args da;
+    int rc = 0;
+    memset(&b, 0, sizeof(b));
+    if (c->gpu) {
+        if (cudaSetDevice(0) != cudaSuccess ||
+            cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess)
+            FAIL("rank %d: CUDA stream", r);
+    }
+    cfg.backend = c->gpu ? HEP_BACKEND_GPU : HEP_BACKEND_HOST;
+    if ((rc = hep_group_create(&cfg, &x->bs, 0, &g)))
+        FAIL("rank %d: create: %s", r, hep_last_error());
+    if (setup_bufs(c, r, &m, g, &b) || hep_handle_create(g, &hA) || hep_handle_create(g, &hB))
+        FAIL("rank %d: buffers or handles: %s", r, hep_last_error());
+    if (c->cap_mode) {
+        /* exactly the capacity: fits */
+        xo = opts_into(&b, hA, 0);
+        da = dargs(c, r, &b, 0, 0, st, 0);
+        o->rc[0] = hep_dispatch_ex(g, &da, &xo, &dr);
+        if (o->rc[0])
+            FAIL("rank %d: dispatch at the capacity: %s", r, hep_last_error());
+        save_dispatch(c, o, &m, &b, 0, &dr);
+        if ((o->rc[1] = do_combine(g, hA, &b, 0, st, 0)))
+            FAIL("rank %d: combine at the capacity: %s", r, hep_last_error());
+        save_combine(c, o, &m, &b, 0, c->t[0][r]);
+        /* one row short on cap_rank: every rank fails, the receive buffers untouched */
+        x->bs.barrier(x->bs.ctx); /* every node-mate finished reading this rank's rows */
+        if (c->gpu && (cudaMemset(hep_combine_input(g), 0xff, (size_t)c->cap * rbytes(c)) ||
+                       cudaDeviceSynchronize()))
+            FAIL("rank %d: poison", r);
+        x->bs.barrier(x->bs.ctx);
+        xo = opts_into(&b, hB, 1);
+        da = dargs(c, r, &b, 1, 0, st, 0);
+        o->rc[2] = hep_dispatch_ex(g, &da, &xo, &dr);
+        snprintf(o->msg, sizeof(o->msg), "%s", hep_last_error());
+        if (c->gpu) { /* nothing received on this rank */
+            unsigned char *xr = m_get(&m, hep_combine_input(g), (size_t)c->cap * rbytes(c));
+            for (size_t k = 0; xr && k < (size_t)c->cap * rbytes(c); k++)
+                if (xr[k] != 0xff) {
+                    o->bad++;
+                    snprintf(o->err, sizeof(o->err),
+                             "rank %d: the overflowing dispatch wrote receive byte %zu", r, k);
+                    break;
+                }
+            free(xr);
+        }
+        /* the group stays usable: A again, into hB */
+        xo = opts_into(&b, hB, 1);
+        da = dargs(c, r, &b, 0, 0, st, 0);
+        o->rc[3] = hep_dispatch_ex(g, &da, &xo, &dr);
+        if (o->rc[3])
+            FAIL("rank %d: dispatch after the overflow: %s", r, hep_last_error());
+        save_dispatch(c, o, &m, &b, 1, &dr);
+        if ((o->rc[4] = do_combine(g, hB, &b, 1, st, 0)))
+            FAIL("rank %d: combine after the overflow: %s", r, hep_last_error());
+        save_combine(c, o, &m, &b, 1, c->t[0][r]);
+        goto out;
+    }
+    xo = opts_into(&b, hA, 0);
+    da = dargs(c, r, &b, 0, 0, st, 0);
+    if ((rc = hep_dispatch_ex(g, &da, &xo, &dr)) && rc != HEP_WARN_IGNORED)
+        FAIL("rank %d: dispatch A: %s", r, hep_last_error());
+    if (dr.handle != 0 || xo.copy_bytes == 0)
+        FAIL("rank %d: dispatch A into a handle: result handle %llu, copy_bytes %zu", r,
+             (unsigned long long)dr.handle, xo.copy_bytes);
+    save_dispatch(c, o, &m, &b, 0, &dr);
+    xo = opts_into(&b, hB, 1);
+    da = dargs(c, r, &b, 1, 1, st, 0);
+    if ((rc = hep_dispatch_ex(g, &da, &xo, &dr)) && rc != HEP_WARN_IGNORED)
+        FAIL("rank %d: dispatch B: %s", r, hep_last_error());
+    save_dispatch(c, o, &m, &b, 1, &dr);
+    if (c->gpu) { /* the exchange buffer holds B's rows now: not A's in place */
+        hep_combine_args ca;
+        hep_combine_opts co;
+        memset(&ca, 0, sizeof(ca));
+        memset(&co, 0, sizeof(co));
+        ca.expert_out = hep_combine_input(g);
+        ca.out = b.out;
+        ca.stream = st;
+        co.handle = hA;
+        if (hep_combine_ex(g, &ca, &co) != HEP_ERR_INVALID ||
+            !strstr(hep_last_error(), "no longer holds"))
+            FAIL("rank %d: combine of hA in place after B was not refused: %s", r,
+                 hep_last_error());
+    }
+    if ((rc = do_combine(g, hA, &b, 0, st, 0)))
+        FAIL("rank %d: combine hA: %s", r, hep_last_error());
+    save_combine(c, o, &m, &b, 0, c->t[0][r]);
+    xo = opts_into(&b, hA, 2);
+    da = dargs(c, r, &b, 0, 1, st, HEP_REUSE_LAYOUT);
+    da.topk_idx = NULL, da.topk = 0, da.topk_weights = NULL;
+    if ((rc = hep_dispatch_ex(g, &da, &xo, &dr)))
+        FAIL("rank %d: dispatch reusing hA: %s", r, hep_last_error());
+    save_dispatch(c, o, &m, &b, 2, &dr);
+    if ((rc = do_combine(g, hB, &b, 1, st, 0)))
+        FAIL("rank %d: combine hB: %s", r, hep_last_error());
+    save_combine(c, o, &m, &b, 1, c->t[1][r]);
+    if ((rc = do_combine(g, hA, &b, 1, st, 0)))
+        FAIL("rank %d: combine hA again: %s", r, hep_last_error());
+    save_combine(c, o, &m, &b, 2, c->t[0][r]);
+
+    if (c->gpu && c->graph_replays) {
+        /* capture {dispatch A into hA, combine hA} without host synchronization, replay:
+         * every replay must give the host run's step 0 and combine 0 */
+        cudaGraph_t graph = NULL;
+        cudaGraphExec_t exec = NULL;
+        int crc = 0;
+        x->bs.barrier(x->bs.ctx);
+        if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
+            FAIL("rank %d: begin capture", r);
+        xo = opts_into(&b, hA, 0);
+        da = dargs(c, r, &b, 0, 0, st, HEP_ASYNC);
+        rc = hep_dispatch_ex(g, &da, &xo, &dr);
+        crc = do_combine(g, hA, &b, 0, st, HEP_ASYNC);
+        if (cudaStreamEndCapture(st, &graph) != cudaSuccess || (rc && rc != HEP_WARN_IGNORED) ||
+            crc || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
+            FAIL("rank %d: capture: %d %d %s", r, rc, crc, hep_last_error());
+        for (int rep = 0; rep < c->graph_replays; rep++) {
+            struct rout *h = &c->out[0][r];
+            hep_dispatch_result rr = dr;
+            if (cudaMemset(b.rtok[0], 0xff, (size_t)(h->nrecv[0] > 0 ? h->nrecv[0] : 0) * rbytes(c)) ||
+                cudaMemset(b.out, 0xff, (size_t)c->T * c->H * 2) ||
+                cudaMemset(b.pout, 0xff, sizeof(float) * (size_t)c->T * EL * c->W) ||
+                cudaDeviceSynchronize())
+                FAIL("rank %d: poison", r);
+            x->bs.barrier(x->bs.ctx);
+            if (cudaGraphLaunch(exec, st) != cudaSuccess)
+                FAIL("rank %d: graph launch", r);
+            if ((rc = hep_group_sync(g, st)) && rc != HEP_WARN_IGNORED)
+                FAIL("rank %d: replay %d: %s", r, rep, hep_last_error());
+            rr.num_recv = h->nrecv[0];
+            free(o->rows[0]), free(o->probs[0]), free(o->scales[0]);
+            free(o->comb[0]), free(o->pout[0]);
+            save_dispatch(c, o, &m, &b, 0, &rr);
+            save_combine(c, o, &m, &b, 0, c->t[0][r]);
+            {
+                int cnt = -1;
+                (void)cudaMemcpy(&cnt, dr.num_recv_device, sizeof(int), cudaMemcpyDeviceToHost);
+                o->nrecv[0] = cnt;
+            }
+            if (compare_rank(c, r, 1)) {
+                snprintf(o->err + strlen(o->err), sizeof(o->err) - strlen(o->err),
+                         " (graph replay %d)", rep);
+                break;
+            }
+        }
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+    }
+out:
+    if (g)
+        x->bs.barrier(x->bs.ctx);
+    hep_handle_destroy(hA);
+    hep_handle_destroy(hB);
+    free_bufs(&m, &b);
+    hep_group_destroy(g);
+    if (st)
+        cudaStreamDestroy(st);
+    return o->err[0] ? 1 : 0;
+}
+
+static int first_diff(const void *a, const void *b, size_t n)
+{
+    const unsigned char *p = a, *q = b;
+    if (!a || !b)
+        return a != b ? 0 : -1;
+    for (size_t k = 0; k < n; k++)
+        if (p[k] != q[k])
+            return (int)k;
+    return -1;
+}
+
+/* GPU rank r against the host run; step_only: dispatch 0 and combine 0. Records the first
+ * mismatch in the GPU side's err and counts them. */
+static int compare_rank(tcase *c, int r, int step_only)
+{
+    struct rout *h = &c->out[0][r], *o = &c->out[1][r];
+    const size_t ns = (size_t)c->H / 128, E = (size_t)EL * c->W;
+    int bad = 0;
+    const int nsteps = c->cap_mode ? 2 : step_only ? 1 : STEPS;
+    const int ncombs = c->cap_mode ? 2 : step_only ? 1 : COMBS;
+    for (int s = 0; s < nsteps; s++) {
+        const size_t n = h->nrecv[s] > 0 ? (size_t)h->nrecv[s] : 0;
+        int k;
+        if (o->nrecv[s] != h->nrecv[s] ||
+            (!step_only && memcmp(o->counts[s], h->counts[s], sizeof(h->counts[s])))) {
+            snprintf(o->err, sizeof(o->err), "rank %d step %d: %d rows (tokens per expert 0: %d), "
+                     "host %d (%d)", r, s, o->nrecv[s], o->counts[s][1], h->nrecv[s],
+                     h->counts[s][1]);
+            return ++bad;
+        }
+        if ((k = first_diff(o->rows[s], h->rows[s], n * rbytes(c))) >= 0) {
+            snprintf(o->err, sizeof(o->err), "rank %d step %d: received row %zu byte %zu differs",
+                     r, s, (size_t)k / rbytes(c), (size_t)k % rbytes(c));
+            return ++bad;
+        }
+        if ((k = first_diff(o->probs[s], h->probs[s], n * EL * 4)) >= 0) {
+            snprintf(o->err, sizeof(o->err), "rank %d step %d: prob of row %d expert %d differs",
+                     r, s, k / 4 / EL, k / 4 % EL);
+            return ++bad;
+        }
+        if (c->fp8 && (k = first_diff(o->scales[s], h->scales[s], n * ns * 4)) >= 0) {
+            snprintf(o->err, sizeof(o->err), "rank %d step %d: scale of row %zu differs", r, s,
+                     (size_t)k / 4 / ns);
+            return ++bad;
+        }
+    }
+    for (int s = 0; s < ncombs; s++) {
+        const int set = c->cap_mode ? 0 : s == 1;
+        const size_t t = (size_t)c->t[set][r];
+        int k;
+        if ((k = first_diff(o->comb[s], h->comb[s], t * c->H * 2)) >= 0) {
+            snprintf(o->err, sizeof(o->err),
+                     "rank %d combine %d: token %zu channel %zu: 0x%04x, host 0x%04x", r, s,
+                     (size_t)k / 2 / c->H, (size_t)k / 2 % c->H,
+                     o->comb[s][(size_t)k / 2], h->comb[s][(size_t)k / 2]);
+            return ++bad;
+        }
+        if ((k = first_diff(o->pout[s], h->pout[s], t * E * 4)) >= 0) {
+            snprintf(o->err, sizeof(o->err),
+                     "rank %d combine %d: probs_out of token %zu expert %zu: %g, host %g", r, s,
+                     (size_t)k / 4 / E, (size_t)k / 4 % E, o->pout[s][(size_t)k / 4],
+                     h->pout[s][(size_t)k / 4]);
+            return ++bad;
+        }
+    }
+    return bad;
+}
+
+static void free_out(struct rout *o)
+{
+    for (int s = 0; s < STEPS; s++)
+        free(o->rows[s]), free(o->probs[s]), free(o->scales[s]);
+    for (int s = 0; s < COMBS; s++)
+        free(o->comb[s]), free(o->pout[s]);
+}
+
+static void run_case(tcase *c, const char *name)
+{
+    rank_ctx ctx[MAXW];
+    int fails = 0;
+    for (int side = 0; side < 2; side++) {
+        c->gpu = side;
+        assert_int_equal(run_ranks(c->W, run_rank, c, ctx), 0);
+        for (int r = 0; r < c->W; r++)
+            if (c->out[side][r].err[0]) {
+                print_error("%s, %s run: %s\n", name, side ? "GPU" : "host", c->out[side][r].err);
+                fails++;
+            }
+        if (fails)
+            break;
+    }
+    for (int r = 0; !fails && r < c->W; r++) {
+        fails += compare_rank(c, r, 0);
+        if (c->out[1][r].err[0])
+            print_error("%s: %s\n", name, c->out[1][r].err);
+    }
+    if (c->cap_mode && !fails)
+        for (int side = 0; side < 2; side++)
+            for (int r = 0; r < c->W; r++) {
+                char want[64];
+                snprintf(want, sizeof(want), "rank %d needs %d receive rows", c->cap_rank,
+                         c->cap + 1);
+                if (c->out[side][r].rc[2] != HEP_ERR_OVERFLOW ||
+                    !strstr(c->out[side][r].msg, want) || c->out[side][r].bad) {
+                    print_error("%s, %s rank %d: one row short gave %s: %s (want \"%s\")\n", name,
+                                side ? "GPU" : "host", r, hep_status_name(c->out[side][r].rc[2]),
+                                c->out[side][r].msg, want);
+                    fails++;
+                }
+            }
+    for (int side = 0; side < 2; side++)
+        for (int r = 0; r < c->W; r++)
+            free_out(&c->out[side][r]);
+    if (fails)
+        fail_msg("%s: %d ranks differ from the host backend", name, fails);
+    print_message("%s: every output equals the host backend's\n", name);
+}
+
+static tcase *new_case(void)
+{
+    tcase *c = calloc(1, sizeof(*c));
+    assert_non_null(c);
+    return c;
+}
+
+static int W_(void) { return small_only() ? 2 : 8; }
+static int T_(void) { return small_only() ? 24 : 192; }
+
+static void handles_interleaved_reused_and_combined_twice_bf16(void **state)
+{
+    tcase *c = new_case();
+    (void)state;
+    make_case(c, W_(), T_(), small_only() ? 128 : 1024, 0, 11u);
+    run_case(c, "handles, bf16");
+    free(c);
+}
+
+static void handles_interleaved_reused_and_combined_twice_fp8(void **state)
+{
+    tcase *c = new_case();
+    (void)state;
+    make_case(c, W_(), T_(), small_only() ? 128 : 1024, 1, 12u);
+    run_case(c, "handles, fp8");
+    free(c);
+}
+
+static void handles_with_four_ranks_and_int32_routing(void **state)
+{
+    tcase *c = new_case();
+    (void)state;
+    make_case(c, small_only() ? 2 : 4, small_only() ? 16 : 64, 256, 0, 13u);
+    run_case(c, "handles, 4 ranks");
+    free(c);
+}
+
+static void capacity_met_then_one_short_then_fits_again(void **state)
+{
+    tcase *c = new_case();
+    (void)state;
+    make_cap_case(c, W_(), T_(), 256, 14u);
+    run_case(c, "capacity");
+    free(c);
+}
+
+static void graph_replays_of_the_no_sync_mode_equal_the_host(void **state)
+{
+    tcase *c = new_case();
+    (void)state;
+    make_case(c, W_(), T_(), small_only() ? 128 : 1024, 0, 15u);
+    c->graph_replays = 3;
+    run_case(c, "graph replay x3");
+    free(c);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(handles_interleaved_reused_and_combined_twice_bf16),
+        cmocka_unit_test(handles_interleaved_reused_and_combined_twice_fp8),
+        cmocka_unit_test(handles_with_four_ranks_and_int32_routing),
+        cmocka_unit_test(capacity_met_then_one_short_then_fits_again),
+        cmocka_unit_test(graph_replays_of_the_no_sync_mode_equal_the_host),
+    };
+    if (hep_gpu_probe(0)) {
+        printf("skipped: no usable GPU: %s\n", hep_last_error());
+        return 77;
+    }
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
