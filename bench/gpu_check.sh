@@ -39,6 +39,9 @@ if want test; then
     step "GPU tests (kernels vs host backend and oracle, graph replay, timeout, DMA-BUF)"
     HEP_GPU_TEST_FILTER=${TEST_FILTER:-} timeout 300 $B/test_gpu_ep
     echo "test_gpu_ep exit: $?"
+    step "GPU tests of the training API (handles, caller outputs, probabilities, capacity)"
+    timeout 180 $B/test_gpu_train
+    echo "test_gpu_train exit: $?"
   } > "$OUT/test.txt" 2>&1
   grep -vE '^\[ *(RUN|OK) \]|unavailable; using DMA-BUF' "$OUT/test.txt" | tail -60
 fi
@@ -48,6 +51,10 @@ if want san; then
     HEP_GPU_TEST_SMALL=1 timeout 150 compute-sanitizer --tool memcheck --leak-check full $B/test_gpu_ep
     step "compute-sanitizer racecheck (small cases)"
     HEP_GPU_TEST_SMALL=1 timeout 150 compute-sanitizer --tool racecheck $B/test_gpu_ep
+    for tool in memcheck racecheck; do
+      step "compute-sanitizer $tool test_gpu_train (small cases)"
+      HEP_GPU_TEST_SMALL=1 timeout 120 compute-sanitizer --tool $tool $B/test_gpu_train
+    done
   } > "$OUT/sanitizer.txt" 2>&1
   grep -E "===|SUMMARY|FAILED|PASSED|exit" "$OUT/sanitizer.txt" | grep -v "^=== *$" | tail -12
 fi
