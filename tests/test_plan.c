@@ -75,7 +75,9 @@ static void plan_two_nodes_lists_all_fourteen_rdma_buffers(void **state)
      * per node, then per node a count block of 4 ranks x (3 experts + 1) i32 = 8 words */
     assert_int_equal(p.buf[HEP_BUF_D_ATTN_PROB].bytes, 100 * 2 * 4 * 4);
     assert_int_equal(p.buf[HEP_BUF_D_GROUP_PROB].bytes, 1 * 100 * 2 * 4 * 4);
-    assert_int_equal(p.buf[HEP_BUF_D_ATTN_FLAGS].bytes, (3 * 2 + 2 * 8) * 8);
+    /* ... then the ring words: per node a credit or landed word and one flag source (the
+     * GPU backend's ring is one chunk of T) */
+    assert_int_equal(p.buf[HEP_BUF_D_ATTN_FLAGS].bytes, (3 * 2 + 2 * 8 + 2 + 2 * 1) * 8);
     assert_int_equal(p.buf[HEP_BUF_D_ATTN_SCALE].bytes, 100 * 4 * 4);
     /* FP8 slots (T x H) are not the bytes of the BF16 slots (T x 2H) of the same node:
      * slot j of one would lie in another node's slot of the other, so nothing aliases */
@@ -163,7 +165,8 @@ static void plan_refuses_every_invalid_field(void **state)
     BAD(ranks_per_node, 3, "does not divide");
     BAD(dispatch_sms, 0, "config.dispatch_sms");
     BAD(combine_sms, 200, "config.combine_sms");
-    BAD(chunk_tokens, 0, "config.chunk_tokens");
+    BAD(chunk_tokens, -1, "config.chunk_tokens");
+    BAD(chunk_tokens, 4097, "config.chunk_tokens");
     BAD(backend, 5, "config.backend");
     c = ok;
     c.dtype = HEP_DTYPE_FP8_E4M3;

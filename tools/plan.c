@@ -180,7 +180,7 @@ int hep_cmd_plan(int argc, char **argv)
 {
     static hep_plan_info p; /* large: off the stack */
     hep_config c;
-    int nodes = 1, rpn = 8, as_json = 0, dtype = 0, rc;
+    int nodes = 1, rpn = 8, as_json = 0, dtype = 0, backend = 0, rc;
     hep_config_default(&c);
     c.hidden = 7168;
     c.max_tokens = 4096;
@@ -196,7 +196,10 @@ int hep_cmd_plan(int argc, char **argv)
             {"topk", CLI_INT, &c.max_topk, 1, 1 << 30, NULL, "K", "experts per token"},
             {"max-recv-rows", CLI_INT, &c.max_recv_rows, 0, 1 << 30, NULL, "N",
              "receive capacity per rank (0 = W x T, the worst case)"},
-            {"chunk", CLI_INT, &c.chunk_tokens, 1, 1 << 30, NULL, "C", "tokens per chunk"},
+            {"chunk", CLI_INT, &c.chunk_tokens, 0, 1 << 30, NULL, "C",
+             "tokens per chunk of the inter-node rings (0 = one chunk of T per slot)"},
+            {"backend", CLI_CHOICE, &backend, 0, 0, "gpu|host", NULL,
+             "whose plan (the host backend's slots are rings of chunks)"},
             {"dtype", CLI_CHOICE, &dtype, 0, 0, "bf16|fp8", NULL, "dispatch payload"},
             {"json", CLI_FLAG, &as_json, 0, 0, NULL, NULL, "one JSON document on stdout"},
         };
@@ -207,6 +210,7 @@ int hep_cmd_plan(int argc, char **argv)
             return rc < 0 ? 0 : rc;
     }
     c.dtype = dtype ? HEP_DTYPE_FP8_E4M3 : HEP_DTYPE_BF16;
+    c.backend = backend ? HEP_BACKEND_HOST : HEP_BACKEND_GPU;
     c.ranks_per_node = rpn;
     if (hep_plan_query(&c, nodes, rpn, &p) != HEP_OK)
         return cli_fail("plan", 1, "invalid configuration: %s", hep_last_error());

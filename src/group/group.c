@@ -430,6 +430,7 @@ int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda
     g->rank = bs->rank;
     g->world = bs->size;
     g->device = cuda_device;
+    g->hold_credits = hooks ? hooks->hold_credits : 0;
     if (cfg)
         g->cfg = *cfg;
 
