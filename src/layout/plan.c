@@ -320,13 +320,15 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
     /* [node][T][R] position at each node-mate of the tokens this rank forwards (its own,
      * then those received from each other node), then [T][N] each own token's position in
      * the slot of each node, then [132][N] per-block node counts */
-    add(&x, HEP_BUF_HANDLE_ROWS, "handle.dest_rows", "both", "i32", 4,
-        mul3(&x, T, W, 1) + mul3(&x, T, (size_t)nodes, 1) + 132 * (size_t)nodes,
-        HEP_ARENA_LOCAL, 0);
+    if (c->backend != HEP_BACKEND_HOST) /* the kernels' layout (the host backend pulls) */
+        add(&x, HEP_BUF_HANDLE_ROWS, "handle.dest_rows", "both", "i32", 4,
+            mul3(&x, T, W, 1) + mul3(&x, T, (size_t)nodes, 1) + 132 * (size_t)nodes,
+            HEP_ARENA_LOCAL, 0);
     add(&x, HEP_BUF_HANDLE_META, "handle.meta", "both", "i32", 4, 4 * W + El + 24 + HEP_WORK_WORDS,
         HEP_ARENA_LOCAL, 0);
-    add(&x, HEP_BUF_HANDLE_BLOCKS, "handle.block_counts", "dispatch", "i32", 4, 132 * W,
-        HEP_ARENA_LOCAL, 0);
+    if (c->backend != HEP_BACKEND_HOST)
+        add(&x, HEP_BUF_HANDLE_BLOCKS, "handle.block_counts", "dispatch", "i32", 4, 132 * W,
+            HEP_ARENA_LOCAL, 0);
     add(&x, HEP_BUF_DIAG, "diag.timeout_record", "both", "byte", 1, 4096, HEP_ARENA_MAPPED, 0);
     add(&x, HEP_BUF_HOST_COUNTS, "host.recv_counts", "dispatch", "i32", 4, El + 1,
         HEP_ARENA_PINNED, 0);
@@ -334,8 +336,10 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
         add(&x, HEP_BUF_HANDLE_IDS, "handle.topk_idx", "both", "i32", 4,
             mul3(&x, T, (size_t)c->max_topk, 1), HEP_ARENA_LOCAL, 0);
     if (nodes > 1) {
-        add(&x, HEP_BUF_PROXY, "proxy.ready_counters", "both", "u64", 8,
-            2 * (size_t)nodes * HEP_PX_NODE_WORDS, HEP_ARENA_MAPPED, 0);
+        if (c->backend != HEP_BACKEND_HOST) /* the kernels' words to the proxy (the host
+                                               backend's are in its flags buffers) */
+            add(&x, HEP_BUF_PROXY, "proxy.ready_counters", "both", "u64", 8,
+                2 * (size_t)nodes * HEP_PX_NODE_WORDS, HEP_ARENA_MAPPED, 0);
         plan_internode(&x, c, esize, nscale);
     }
     place(&x);
