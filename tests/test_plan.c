@@ -49,6 +49,35 @@ static void plan_fp8_has_scales(void **state)
     assert_int_equal(p.buf[HEP_BUF_TOKEN_X].bytes, 20 * 256 * 2);
 }
 
+/* Issue 15's targets, host backend (rings of chunks): EP64 (8 x 8, T 4096, H 7168, BF16,
+ * E_l 4, K 8) <= 1.5 GB per rank at a capacity of twice the uniform mean (62,880 rows),
+ * <= 4.0 GB with the defaults, and at that fixed capacity EP256 and EP1024 within 10%. */
+static void plan_memory_targets_of_the_rings(void **state)
+{
+    hep_config c = base(7168, 4096, 4, 8, HEP_DTYPE_BF16);
+    static hep_plan p;
+    size_t ep64;
+    (void)state;
+    c.backend = HEP_BACKEND_HOST;
+    assert_int_equal(c.chunk_tokens, 8);
+    assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
+    assert_true(p.device_bytes <= 4000000000u);
+    assert_int_equal(p.slot_tokens, 16);
+    c.max_recv_rows = 62880;
+    assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
+    assert_true(p.device_bytes <= 1500000000u);
+    ep64 = p.device_bytes;
+    assert_int_equal(hep_plan_make(&c, 32, 8, &p), HEP_OK);
+    assert_true(p.device_bytes <= ep64 + ep64 / 10);
+    assert_int_equal(hep_plan_make(&c, 128, 8, &p), HEP_OK);
+    assert_true(p.device_bytes <= ep64 + ep64 / 10);
+    /* one chunk of T per slot (chunk 0) is the whole slot again */
+    c.chunk_tokens = 0;
+    assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
+    assert_int_equal(p.slot_tokens, 4096);
+    assert_int_equal(p.ring, 1);
+}
+
 static void plan_two_nodes_lists_all_fourteen_rdma_buffers(void **state)
 {
     hep_config c = base(512, 100, 3, 4, HEP_DTYPE_FP8_E4M3);
@@ -182,6 +211,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(plan_single_node_bf16_sizes),
         cmocka_unit_test(plan_fp8_has_scales),
+        cmocka_unit_test(plan_memory_targets_of_the_rings),
         cmocka_unit_test(plan_two_nodes_lists_all_fourteen_rdma_buffers),
         cmocka_unit_test(plan_ep64_fits_the_stated_budget),
         cmocka_unit_test(plan_buffers_do_not_overlap_unless_aliased),

@@ -360,6 +360,10 @@ typedef struct hep_plan_info {
         const char *name;
         size_t bytes;
     } arenas[HEP_PLAN_MAX_ARENAS];
+    /* N > 1: each inter-node slot is a ring of ring_chunks chunks of chunk_tokens tokens,
+     * slot_tokens rows (the GPU kernels: one chunk of T) */
+    int chunk_tokens, ring_chunks;
+    size_t slot_tokens;
 } hep_plan_info;
 
 /* The buffers a group of `nodes` x `ranks_per_node` ranks with configuration *cfg would
