@@ -1,5 +1,6 @@
 #include <dirent.h>
 #include <pthread.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -17,10 +18,12 @@ static void *rank_main(void *p)
 int run_ranks(int world, rank_fn fn, void *arg, rank_ctx *ctx)
 {
     hep_inproc_world *w;
-    pthread_t th[128];
-    int rc = hep_inproc_world_create(world, &w);
-    if (rc || world > 128)
+    pthread_t *th = malloc(sizeof(*th) * (size_t)(world > 0 ? world : 1));
+    int rc = th ? hep_inproc_world_create(world, &w) : -1;
+    if (rc) {
+        free(th);
         return -1;
+    }
     for (int r = 0; r < world; r++) {
         memset(&ctx[r], 0, sizeof(ctx[r]));
         hep_inproc_bootstrap(w, r, &ctx[r].bs);
@@ -34,6 +37,7 @@ int run_ranks(int world, rank_fn fn, void *arg, rank_ctx *ctx)
     for (int r = 0; r < world; r++)
         pthread_join(th[r], NULL);
     hep_inproc_world_destroy(w);
+    free(th);
     return 0;
 }
 

@@ -9,6 +9,9 @@
  *   HEP_STRESS_SECONDS  bound per shape (default 3)
  *   HEP_STRESS_CALLS    bound per shape (default 10000); whichever comes first
  *   HEP_STRESS_SEED     first routing seed (default 1); a failure prints its call's seed
+ *   HEP_STRESS_CHUNK    config.chunk_tokens (default 3: rings of 2 chunks of 3 tokens,
+ *                       smaller than every shape's T, so the rings wrap and credits flow;
+ *                       0 = one chunk of T). The GPU kernels keep one chunk per slot.
  *
  * Prints the calls done per shape. gpu: the GPU backend, small shapes (for the GPU check
  * script and compute-sanitizer); without a GPU it prints "skipped: <reason>" and exits 77. */
@@ -268,6 +271,7 @@ int main(int argc, char **argv)
     static const shape gpu_shapes[] = {{2, 2, 256, 32, 2, 4, HEP_DTYPE_BF16},
                                        {2, 4, 256, 32, 2, 4, HEP_DTYPE_FP8_E4M3},
                                        {4, 2, 256, 32, 2, 4, HEP_DTYPE_BF16}};
+    const int chunk = getenv("HEP_STRESS_CHUNK") ? atoi(getenv("HEP_STRESS_CHUNK")) : 3;
     const shape *shapes = gpu ? gpu_shapes : host_shapes;
     int failed = 0;
     if (!gpu && strcmp(mode, "host") != 0) {
@@ -286,9 +290,9 @@ int main(int argc, char **argv)
         }
     }
     printf("stress: %s backend, HEP_DEBUG_JITTER_US=%llu (seed %llu), at most %.1f s and %ld "
-           "calls per shape\n",
+           "calls per shape, chunk_tokens %d\n",
            gpu ? "GPU" : "host", (unsigned long long)hep_env_get()->jitter_us,
-           (unsigned long long)hep_env_get()->jitter_seed, seconds, max_calls);
+           (unsigned long long)hep_env_get()->jitter_seed, seconds, max_calls, chunk);
     for (int k = 0; k < 3 && !failed; k++) {
         const shape *sh = &shapes[k];
         rank_ctx ctx[EP_MAX_RANKS];
@@ -298,6 +302,7 @@ int main(int argc, char **argv)
         s.c.cfg = test_config(sh->H, sh->T, sh->El, sh->K, sh->dt);
         s.c.cfg.backend = gpu ? HEP_BACKEND_GPU : HEP_BACKEND_HOST;
         s.c.cfg.ranks_per_node = sh->R;
+        s.c.cfg.chunk_tokens = chunk;
         if (gpu)
             s.c.cfg.dispatch_sms = s.c.cfg.combine_sms = 4;
         s.c.world = sh->N * sh->R;

@@ -295,10 +295,11 @@ static void group_internode_dispatch_sends_each_peer_exactly_what_its_node_needs
 {
     static wire_case w;
     rank_ctx ctx[4];
-    /* node 1 needs tokens 0, 2, 3 (experts 4, 5-6, 7): 3 rows of 256 B, 3 x 2 ids (i32)
-     * and 3 x 2 weights, 3 x 2 FP8 scales, then one 8-byte count; its flag is a flag write;
-     * the 8-byte arrival word goes ahead of them all */
-    const uint64_t expect = 8 + 3 * 256 + 3 * 2 * 4 + 3 * 2 * 4 + 3 * 2 * 4 + 8;
+    /* node 1 needs tokens 0, 2, 3 (experts 4, 5-6, 7): ahead of the rows the 8-byte count
+     * and the count block (2 ranks x (2 experts + 1) i32 = 3 words), then the arrival word
+     * (a flag write); then 3 rows of 256 B, 3 x 2 ids (i32) and 3 x 2 weights, 3 x 2 FP8
+     * scales (one chunk), the chunk's flag and the slot's flag (flag writes) */
+    const uint64_t expect = 8 + 3 * 8 + 3 * 256 + 3 * 2 * 4 + 3 * 2 * 4 + 3 * 2 * 4;
     (void)state;
     memset(&w, 0, sizeof(w));
     assert_int_equal(run_ranks(4, wire_rank, &w, ctx), 0);
@@ -306,10 +307,10 @@ static void group_internode_dispatch_sends_each_peer_exactly_what_its_node_needs
         if (ctx[r].rc)
             fail_msg("rank %d: %s", r, ctx[r].err);
     assert_int_equal(w.bytes[2], expect);
-    assert_int_equal(w.flag_wrs[2], 1);
-    /* the rows are packed in the send slot: the arrival word, one write per buffer (4
-     * buffers), the count */
-    assert_int_equal(w.data_wrs[2], 1 + 4 + 1);
+    assert_int_equal(w.flag_wrs[2], 3);
+    /* the rows are packed in the send slot: the count and the count block, then one write
+     * per buffer (4 buffers) */
+    assert_int_equal(w.data_wrs[2], 2 + 4);
     for (int p = 0; p < 4; p++)
         if (p != 2)
             assert_int_equal(w.bytes[p], 0); /* nothing to its own node, nothing to rank 3 */

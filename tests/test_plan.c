@@ -49,6 +49,35 @@ static void plan_fp8_has_scales(void **state)
     assert_int_equal(p.buf[HEP_BUF_TOKEN_X].bytes, 20 * 256 * 2);
 }
 
+/* Issue 15's targets, host backend (rings of chunks): EP64 (8 x 8, T 4096, H 7168, BF16,
+ * E_l 4, K 8) <= 1.5 GB per rank at a capacity of twice the uniform mean (62,880 rows),
+ * <= 4.0 GB with the defaults, and at that fixed capacity EP256 and EP1024 within 10%. */
+static void plan_memory_targets_of_the_rings(void **state)
+{
+    hep_config c = base(7168, 4096, 4, 8, HEP_DTYPE_BF16);
+    static hep_plan p;
+    size_t ep64;
+    (void)state;
+    c.backend = HEP_BACKEND_HOST;
+    assert_int_equal(c.chunk_tokens, 8);
+    assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
+    assert_true(p.device_bytes <= 4000000000u);
+    assert_int_equal(p.slot_tokens, 16);
+    c.max_recv_rows = 62880;
+    assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
+    assert_true(p.device_bytes <= 1500000000u);
+    ep64 = p.device_bytes;
+    assert_int_equal(hep_plan_make(&c, 32, 8, &p), HEP_OK);
+    assert_true(p.device_bytes <= ep64 + ep64 / 10);
+    assert_int_equal(hep_plan_make(&c, 128, 8, &p), HEP_OK);
+    assert_true(p.device_bytes <= ep64 + ep64 / 10);
+    /* one chunk of T per slot (chunk 0) is the whole slot again */
+    c.chunk_tokens = 0;
+    assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
+    assert_int_equal(p.slot_tokens, 4096);
+    assert_int_equal(p.ring, 1);
+}
+
 static void plan_two_nodes_lists_all_fourteen_rdma_buffers(void **state)
 {
     hep_config c = base(512, 100, 3, 4, HEP_DTYPE_FP8_E4M3);
@@ -75,7 +104,9 @@ static void plan_two_nodes_lists_all_fourteen_rdma_buffers(void **state)
      * per node, then per node a count block of 4 ranks x (3 experts + 1) i32 = 8 words */
     assert_int_equal(p.buf[HEP_BUF_D_ATTN_PROB].bytes, 100 * 2 * 4 * 4);
     assert_int_equal(p.buf[HEP_BUF_D_GROUP_PROB].bytes, 1 * 100 * 2 * 4 * 4);
-    assert_int_equal(p.buf[HEP_BUF_D_ATTN_FLAGS].bytes, (3 * 2 + 2 * 8) * 8);
+    /* ... then the ring words: per node a credit or landed word and one flag source (the
+     * GPU backend's ring is one chunk of T) */
+    assert_int_equal(p.buf[HEP_BUF_D_ATTN_FLAGS].bytes, (3 * 2 + 2 * 8 + 2 + 2 * 1) * 8);
     assert_int_equal(p.buf[HEP_BUF_D_ATTN_SCALE].bytes, 100 * 4 * 4);
     /* FP8 slots (T x H) are not the bytes of the BF16 slots (T x 2H) of the same node:
      * slot j of one would lie in another node's slot of the other, so nothing aliases */
@@ -163,7 +194,8 @@ static void plan_refuses_every_invalid_field(void **state)
     BAD(ranks_per_node, 3, "does not divide");
     BAD(dispatch_sms, 0, "config.dispatch_sms");
     BAD(combine_sms, 200, "config.combine_sms");
-    BAD(chunk_tokens, 0, "config.chunk_tokens");
+    BAD(chunk_tokens, -1, "config.chunk_tokens");
+    BAD(chunk_tokens, 4097, "config.chunk_tokens");
     BAD(backend, 5, "config.backend");
     c = ok;
     c.dtype = HEP_DTYPE_FP8_E4M3;
@@ -179,6 +211,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(plan_single_node_bf16_sizes),
         cmocka_unit_test(plan_fp8_has_scales),
+        cmocka_unit_test(plan_memory_targets_of_the_rings),
         cmocka_unit_test(plan_two_nodes_lists_all_fourteen_rdma_buffers),
         cmocka_unit_test(plan_ep64_fits_the_stated_budget),
         cmocka_unit_test(plan_buffers_do_not_overlap_unless_aliased),

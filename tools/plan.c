@@ -33,6 +33,35 @@ static long long device_bytes_at(const hep_config *c, int nodes, int rpn, long l
     return hep_plan_query(&k, nodes, rpn, &q) == HEP_OK ? (long long)q.device_bytes : -1;
 }
 
+/* The same plan with one chunk of T per inter-node slot (--chunk 0), the other way. */
+static long long device_bytes_one_chunk(const hep_config *c, int nodes, int rpn)
+{
+    static hep_plan_info q;
+    hep_config k = *c;
+    k.chunk_tokens = 0;
+    return hep_plan_query(&k, nodes, rpn, &q) == HEP_OK ? (long long)q.device_bytes : -1;
+}
+
+static void print_ring_text(const hep_plan_info *p, const hep_config *c)
+{
+    long long one = device_bytes_one_chunk(c, p->nodes, p->ranks_per_node);
+    if (p->nodes < 2)
+        return;
+    if (c->backend != HEP_BACKEND_HOST)
+        printf("inter-node slots: one chunk of T = %d rows per other node (the GPU kernels do "
+               "not use rings of chunks yet; --backend host plans them)\n",
+               c->max_tokens);
+    else if (p->ring_chunks == 1 && p->slot_tokens == (size_t)c->max_tokens)
+        printf("inter-node slots: one chunk of T = %d rows per other node (--chunk %d)\n",
+               c->max_tokens, c->chunk_tokens);
+    else
+        printf("inter-node slots: a ring of %d chunks of %d tokens = %zu rows per other node "
+               "(--chunk %d); with one chunk of T = %d rows instead (--chunk 0): %lld bytes "
+               "(%.3f GB) of device memory per rank\n",
+               p->ring_chunks, p->chunk_tokens, p->slot_tokens, c->chunk_tokens, c->max_tokens,
+               one, (double)one / 1e9);
+}
+
 static void make_advice(const hep_plan_info *p, const hep_config *c, advice *a)
 {
     const double E = (double)c->experts_per_rank * p->world, El = c->experts_per_rank;
@@ -72,7 +101,8 @@ static void print_advice_text(const advice *a, const hep_config *c, int world)
     printf("  %-40s %12lld %16lld %20lld\n", "worst case (W x T, max_recv_rows = 0)",
            a->worst_rows, a->worst_rows * a->row_bytes, a->dev_worst);
     printf("  (pass one as --max-recv-rows, config.max_recv_rows; the host backend only, for "
-           "now)\n");
+           "now; these totals use --chunk %d)\n",
+           c->chunk_tokens);
 }
 
 static void print_advice_json(hep_json *j, const advice *a)
@@ -127,6 +157,7 @@ static void print_text(const hep_plan_info *p, const hep_config *c)
     printf("total device memory per rank: %zu bytes (%.3f GB, %.3f GiB)\n", p->device_bytes,
            (double)p->device_bytes / 1e9, (double)p->device_bytes / (1 << 30));
     printf("total host memory per rank  : %zu bytes\n", p->host_bytes);
+    print_ring_text(p, c);
     make_advice(p, c, &adv);
     if (c->max_recv_rows)
         printf("with the worst case instead (max_recv_rows = 0): %lld bytes (%.3f GB) of device "
@@ -151,6 +182,13 @@ static void print_json(const hep_plan_info *p, const hep_config *c)
     json_str(&j, "dtype", c->dtype == HEP_DTYPE_FP8_E4M3 ? "fp8" : "bf16");
     json_int(&j, "max_recv_rows", (long long)p->max_recv_rows);
     json_int(&j, "max_recv_rows_option", c->max_recv_rows);
+    json_str(&j, "backend", c->backend == HEP_BACKEND_HOST ? "host" : "gpu");
+    json_int(&j, "chunk_option", c->chunk_tokens);
+    json_int(&j, "chunk_tokens", p->chunk_tokens);
+    json_int(&j, "ring_chunks", p->ring_chunks);
+    json_int(&j, "slot_tokens", (long long)p->slot_tokens);
+    json_int(&j, "device_bytes_one_chunk_per_slot",
+             device_bytes_one_chunk(c, p->nodes, p->ranks_per_node));
     json_arr(&j, "buffers");
     for (int i = 0; i < p->num_buffers; i++) {
         const hep_plan_buffer_info *b = &p->buffers[i];
@@ -180,7 +218,7 @@ int hep_cmd_plan(int argc, char **argv)
 {
     static hep_plan_info p; /* large: off the stack */
     hep_config c;
-    int nodes = 1, rpn = 8, as_json = 0, dtype = 0, rc;
+    int nodes = 1, rpn = 8, as_json = 0, dtype = 0, backend = 0, rc;
     hep_config_default(&c);
     c.hidden = 7168;
     c.max_tokens = 4096;
@@ -196,7 +234,10 @@ int hep_cmd_plan(int argc, char **argv)
             {"topk", CLI_INT, &c.max_topk, 1, 1 << 30, NULL, "K", "experts per token"},
             {"max-recv-rows", CLI_INT, &c.max_recv_rows, 0, 1 << 30, NULL, "N",
              "receive capacity per rank (0 = W x T, the worst case)"},
-            {"chunk", CLI_INT, &c.chunk_tokens, 1, 1 << 30, NULL, "C", "tokens per chunk"},
+            {"chunk", CLI_INT, &c.chunk_tokens, 0, 1 << 30, NULL, "C",
+             "tokens per chunk of the inter-node rings (0 = one chunk of T per slot)"},
+            {"backend", CLI_CHOICE, &backend, 0, 0, "gpu|host", NULL,
+             "whose plan (the host backend's slots are rings of chunks)"},
             {"dtype", CLI_CHOICE, &dtype, 0, 0, "bf16|fp8", NULL, "dispatch payload"},
             {"json", CLI_FLAG, &as_json, 0, 0, NULL, NULL, "one JSON document on stdout"},
         };
@@ -207,6 +248,7 @@ int hep_cmd_plan(int argc, char **argv)
             return rc < 0 ? 0 : rc;
     }
     c.dtype = dtype ? HEP_DTYPE_FP8_E4M3 : HEP_DTYPE_BF16;
+    c.backend = backend ? HEP_BACKEND_HOST : HEP_BACKEND_GPU;
     c.ranks_per_node = rpn;
     if (hep_plan_query(&c, nodes, rpn, &p) != HEP_OK)
         return cli_fail("plan", 1, "invalid configuration: %s", hep_last_error());

@@ -38,7 +38,7 @@ typedef enum { HEP_BACKEND_GPU = 0, HEP_BACKEND_HOST = 1 } hep_backend;
 #define HEP_MAX_RANKS_PER_NODE_GPU 32
 #define HEP_MAX_NODES_GPU 32
 #define HEP_MAX_RANKS_PER_NODE_HOST 64
-#define HEP_MAX_NODES_HOST 64
+#define HEP_MAX_NODES_HOST 128
 
 typedef struct hep_config {
     int hidden;           /* H: channels per token. BF16: a multiple of 8 (16-byte rows);
@@ -57,8 +57,14 @@ typedef struct hep_config {
     int dispatch_sms;     /* SMs (thread blocks) of one rank's dispatch kernel, 1..132.
                              Default 16. All co-located ranks of a GPU must fit together. */
     int combine_sms;      /* likewise for combine. Default 16. */
-    int chunk_tokens;     /* C: 1..4096, default 128. Reserved: the inter-node path signals
-                             per kernel block's share of a slot instead (see the README). */
+    int chunk_tokens;     /* C: 0..4096, default 8. N > 1, host backend: each inter-node slot
+                             (receive, send staging, partial sums) is a ring of 2 chunks of C
+                             tokens, freed back to the sender by credits, so these buffers
+                             hold 2 x C rows per other node instead of T (0 = one chunk of
+                             T: no ring). 8: a chunk is still one large write (8 rows of
+                             H = 7168 BF16 are 115 KB) and the memory per rank stays almost
+                             flat in the number of nodes (`hybridep plan --chunk`). The GPU
+                             kernels still use one chunk of T per slot (C is ignored there). */
     hep_backend backend;  /* GPU kernels (default) or the host backend (host memory, threads;
                              the reference semantics, and the CPU-only path). */
     int max_recv_rows;    /* receive capacity: rows the dispatch outputs of one rank hold
@@ -369,6 +375,10 @@ typedef struct hep_plan_info {
         const char *name;
         size_t bytes;
     } arenas[HEP_PLAN_MAX_ARENAS];
+    /* N > 1: each inter-node slot is a ring of ring_chunks chunks of chunk_tokens tokens,
+     * slot_tokens rows (the GPU kernels: one chunk of T) */
+    int chunk_tokens, ring_chunks;
+    size_t slot_tokens;
 } hep_plan_info;
 
 /* The buffers a group of `nodes` x `ranks_per_node` ranks with configuration *cfg would

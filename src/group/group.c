@@ -21,39 +21,49 @@ typedef struct rank_card {
     cudaIpcMemHandle_t ipc;
 } rank_card;
 
-typedef struct agree_msg {
-    int rc, extra;
-    char text[1016];
-} agree_msg;
-
 int hep_group_agree(hep_group *g, int rc, int extra, int *extras)
 {
-    agree_msg mine, *all;
-    int brc, fail = -1;
-    memset(&mine, 0, sizeof(mine));
-    mine.rc = rc;
-    mine.extra = extra;
+    /* statuses first (8 bytes a rank), the failing rank's message only when there is one:
+     * with 1024 ranks in one process, a message from every rank at every step held a
+     * gigabyte at once */
+    int mine[2] = {rc, extra}, *all, brc, fail = -1;
+    char text[1016], got[1016 + 1];
+    memset(text, 0, sizeof(text));
     if (rc)
-        snprintf(mine.text, sizeof(mine.text), "%s", hep_last_error());
-    all = calloc((size_t)g->world, sizeof(*all));
+        snprintf(text, sizeof(text), "%s", hep_last_error());
+    all = calloc((size_t)g->world, sizeof(mine));
     if (!all)
         return hep_fail(HEP_ERR_NOMEM, "group: out of memory");
-    brc = g->bs.allgather(g->bs.ctx, &mine, all, sizeof(mine));
+    brc = g->bs.allgather(g->bs.ctx, mine, all, sizeof(mine));
     if (brc) {
         free(all);
         return brc;
     }
     for (int r = 0; r < g->world && fail < 0; r++)
-        if (all[r].rc)
+        if (all[2 * r])
             fail = r;
     for (int r = 0; extras && r < g->world; r++)
-        extras[r] = all[r].extra;
+        extras[r] = all[2 * r + 1];
     if (fail >= 0) {
-        rc = all[fail].rc;
+        /* every rank takes part (each saw the same statuses); only `fail`'s text is kept */
+        char *texts = calloc((size_t)g->world, sizeof(text));
+        rc = all[2 * fail];
+        if (!texts) {
+            free(all);
+            return hep_fail(HEP_ERR_NOMEM, "group: out of memory");
+        }
+        brc = g->bs.allgather(g->bs.ctx, text, texts, sizeof(text));
+        if (brc) {
+            free(texts), free(all);
+            return brc;
+        }
+        memcpy(got, texts + (size_t)fail * sizeof(text), sizeof(text));
+        got[sizeof(text)] = 0;
+        free(texts);
         if (fail != g->rank) {
-            char text[1100];
-            snprintf(text, sizeof(text), "rank %d: %s", fail, all[fail].text);
-            hep_set_error_text(text);
+            char line[1100];
+            snprintf(line, sizeof(line), "rank %d: %s", fail, got);
+            hep_set_error_text(line);
         }
     }
     free(all);
@@ -430,6 +440,7 @@ int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda
     g->rank = bs->rank;
     g->world = bs->size;
     g->device = cuda_device;
+    g->hold_credits = hooks ? hooks->hold_credits : 0;
     if (cfg)
         g->cfg = *cfg;
 

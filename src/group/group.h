@@ -23,6 +23,8 @@ enum { HEP_MB_TOKENS, HEP_MB_SCALES, HEP_MB_IDX, HEP_MB_WEIGHTS, HEP_MB_T, HEP_M
 typedef struct hep_group_hooks {
     const hep_gpu_mr_ops *mr_override; /* non-NULL members replace the NIC's registration calls */
     int transport;                     /* 0 = from HEP_NIC, 1 = loopback, 2 = verbs */
+    int hold_credits;                  /* host backend: never free a ring chunk (a peer that
+                                          does not return credits) */
 } hep_group_hooks;
 
 struct hep_group {
@@ -54,6 +56,9 @@ struct hep_group {
     int last_call;                  /* host backend: 1 dispatch, 2 combine, 0 none yet */
     uint64_t x_epoch;               /* GPU: the dispatch whose rows exchange.token holds, 0 once
                                        a combine ran after it (then no combine is in place) */
+    int hold_credits;               /* hep_group_hooks.hold_credits */
+    int *row_experts;               /* host backend, during an expert-major dispatch: each
+                                       received row's local experts ([rows][kmax], -1 ends) */
     int broken;                     /* a timeout left the flags inconsistent */
     char broken_msg[1024];
 };
@@ -121,6 +126,10 @@ struct hep_proxy_chunk hep_wire_chunk(const hep_group *g, int peer, int lid, siz
 struct hep_proxy_chunk hep_wire_count_then_flag(const hep_group *g, int peer, int lid, int rid,
                                                 int lword, int rword,
                                                 const volatile uint64_t *ready);
+/* A flag on its own: word lword of lid (its source, and the chunk's ready word: posted once
+ * it holds >= want) to word rword of the peer's rid, after every earlier chunk to the peer. */
+struct hep_proxy_chunk hep_wire_flag(const hep_group *g, int peer, int lid, size_t lword, int rid,
+                                     size_t rword, uint64_t want);
 /* The GPU path's batch for phase 0 (dispatch) or 1 (combine) with S blocks; `ch` holds
  * (N - 1) x (4 S + 2). Returns the number of chunks. */
 int hep_wire_gpu_batch(const hep_group *g, int phase, int S, struct hep_proxy_chunk *ch);

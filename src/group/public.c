@@ -41,6 +41,9 @@ int hep_plan_query(const hep_config *cfg, int nodes, int ranks_per_node, hep_pla
     out->max_recv_rows = p.max_recv_rows;
     out->device_bytes = p.device_bytes;
     out->host_bytes = p.host_bytes;
+    out->chunk_tokens = p.chunk;
+    out->ring_chunks = p.ring;
+    out->slot_tokens = p.slot_tokens;
     for (int i = 0; i < HEP_BUF_COUNT; i++) {
         const hep_plan_buffer *b = &p.buf[i];
         hep_plan_buffer_info *o = &out->buffers[out->num_buffers];

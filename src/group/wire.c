@@ -56,6 +56,17 @@ hep_proxy_chunk hep_wire_count_then_flag(const hep_group *g, int peer, int lid, 
     return k;
 }
 
+hep_proxy_chunk hep_wire_flag(const hep_group *g, int peer, int lid, size_t lword, int rid,
+                              size_t rword, uint64_t want)
+{
+    hep_proxy_chunk k = hep_wire_chunk(g, peer, lid, 0, rid, 0, 0, NULL);
+    set_flag(g, &k, lid, lword, rid, rword);
+    k.ready = (const volatile uint64_t *)(uintptr_t)k.flag_laddr; /* the flag's own source */
+    k.want = want;
+    k.fence = 1;
+    return k;
+}
+
 /* The GPU path: S chunks per buffer and node, each block's rows as its descriptor says,
  * then the slot's count and flag. */
 static int add_blocks(const hep_group *g, hep_proxy_chunk *ch, int n, int peer, int lid,

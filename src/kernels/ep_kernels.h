@@ -71,6 +71,24 @@
 #define HEP_WORK_WORDS 2
 
 #define HEP_COUNT_BLOCK_WORDS(R, El) (((R) * ((El) + 1) + 1) / 2)
+
+/* The inter-node receive slots as a ring of chunks (host backend; the GPU kernels keep one
+ * chunk of T tokens per slot). A slot holds P = HEP_RING_DEPTH chunk positions of C tokens
+ * (layout/plan.c); chunk k of a call (its tokens [kC, kC + C) in slot order) lands in
+ * position k % P. After the count blocks, each flags buffer has, in words (B = 3N + N cb):
+ *  [B, B + N): sender side (dispatch.attn_input_flags, combine.attn_output_flags), word
+ *    B + m: the credit from node m's peer, HEP_RING_VAL(e, chunks of my slot it freed);
+ *    receiver side (the *_group_flags), word B + s: HEP_RING_VAL(e, chunks of slot s that
+ *    landed), each chunk's flag written after its data on the same connection.
+ *  [B + N, B + N + N P): sender side, per node m and position p, the source of the flag
+ *    of the chunk in position p (it also is that chunk's ready word for the proxy);
+ *    receiver side, word B + N + s: the source of the credit for slot s (the chunks freed).
+ * Values carry the call e above 24 bits (T / C < 2^24 chunks), so they grow across calls. */
+#define HEP_RING_DEPTH 2
+#define HEP_RING_VAL(e, k) (((unsigned long long)(e) << 24) | (unsigned long long)(k))
+#define HEP_RING_WORD(N, cb) (3 * (N) + (N) * (cb))
+#define HEP_RING_SRC_WORD(N, cb, x, p, P) (HEP_RING_WORD(N, cb) + (N) + (x) * (P) + (p))
+#define HEP_INTERNODE_FLAG_WORDS(N, cb, P) (HEP_RING_WORD(N, cb) + (N) + (N) * (P))
 #define HEP_PX_MAX_BLOCKS 132
 #define HEP_PX_NODE_WORDS (3 * HEP_PX_MAX_BLOCKS + 2) /* + the slot's count block ready */
 #define HEP_PX_WORD(N, phase, m) (((size_t)(phase) * (size_t)(N) + (size_t)(m)) * HEP_PX_NODE_WORDS)

@@ -12,7 +12,7 @@ void hep_config_default(hep_config *c)
     c->dtype = HEP_DTYPE_BF16;
     c->dispatch_sms = 16;
     c->combine_sms = 16;
-    c->chunk_tokens = 128;
+    c->chunk_tokens = 8;
     c->backend = HEP_BACKEND_GPU;
 }
 
@@ -78,7 +78,8 @@ int hep_config_check(const hep_config *c, int world)
                                                      "kernels' limit")) ||
         (rc = range("dispatch_sms", c->dispatch_sms, 1, 132, NULL)) ||
         (rc = range("combine_sms", c->combine_sms, 1, 132, NULL)) ||
-        (rc = range("chunk_tokens", c->chunk_tokens, 1, 4096, NULL)) ||
+        (rc = range("chunk_tokens", c->chunk_tokens, 0, 4096,
+                    "0 = one chunk of max_tokens per inter-node slot")) ||
         (rc = range("max_recv_rows", c->max_recv_rows, 0, 1L << 30,
                     "0 = world x max_tokens (the worst case)")))
         return rc;
@@ -188,14 +189,15 @@ static void place(plan_ctx *x)
 static void plan_internode(plan_ctx *x, const hep_config *c, size_t esize, size_t nscale)
 {
     hep_plan *p = x->p;
-    size_t T = (size_t)c->max_tokens, H = (size_t)c->hidden, N = (size_t)p->nodes;
+    size_t H = (size_t)c->hidden, N = (size_t)p->nodes;
     size_t Enode = (size_t)c->experts_per_rank * (size_t)p->ranks_per_node;
-    size_t slots = (N - 1) * T; /* rows received from the other nodes, one slot per node */
+    size_t slots = (N - 1) * p->slot_tokens; /* rows of the other nodes' slots (rings) */
     size_t route = 2 * (size_t)c->max_topk; /* a token's top-k ids (i32) then weights (f32) */
     /* flags buffers: count [N], flag [N], early-count flag [N], then per node the count
      * block (tokens per (local rank, expert) of its slot, R x (E_l + 1) i32) */
-    size_t fw = 3 * N + N * HEP_COUNT_BLOCK_WORDS((size_t)p->ranks_per_node,
-                                                  (size_t)c->experts_per_rank);
+    size_t fw = HEP_INTERNODE_FLAG_WORDS(N, HEP_COUNT_BLOCK_WORDS((size_t)p->ranks_per_node,
+                                                                 (size_t)c->experts_per_rank),
+                                         (size_t)p->ring);
     const char *tok = c->dtype == HEP_DTYPE_FP8_E4M3 ? "fp8" : "bf16";
     int fp8 = c->dtype == HEP_DTYPE_FP8_E4M3;
 
@@ -249,6 +251,21 @@ static void plan_internode(plan_ctx *x, const hep_config *c, size_t esize, size_
     }
 }
 
+/* The inter-node slots' ring. The host backend: chunks of C = config.chunk_tokens tokens
+ * (0: one chunk of T), HEP_RING_DEPTH of them, or fewer where they cover T. The GPU kernels
+ * still write and read whole slots: one chunk of T (chunk_tokens does not apply to them). */
+static void ring_shape(const hep_config *c, hep_plan *p)
+{
+    const int T = c->max_tokens;
+    int C = c->chunk_tokens > 0 && c->chunk_tokens < T ? c->chunk_tokens : T;
+    int need = (T + C - 1) / C;
+    if (c->backend != HEP_BACKEND_HOST)
+        C = T, need = 1;
+    p->chunk = C;
+    p->ring = need < HEP_RING_DEPTH ? need : HEP_RING_DEPTH;
+    p->slot_tokens = (size_t)p->ring * (size_t)C;
+}
+
 int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *p)
 {
     plan_ctx x = {p, 0};
@@ -281,7 +298,10 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
     p->max_recv_rows = rows;
     nscale = H / HEP_FP8_BLOCK;
     esize = c->dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2;
-    p->flag_words = 16 + 2 * W;
+    ring_shape(c, p);
+    /* 16 words, [W] arrivals of the GPU kernels, [W] spare, then (host backend) per
+     * node-mate l and other node's slot s the chunks of l's ring for s this rank read */
+    p->flag_words = 16 + 2 * W + (size_t)ranks_per_node * (size_t)(nodes - 1);
 
     /* dispatch writes H x esize bytes a row; combine reads H x 2 bytes a row, same bytes */
     add(&x, HEP_BUF_TOKEN_X, "exchange.token", "both", "bf16", 2, mul3(&x, rows, H, 1),
@@ -300,13 +320,15 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
     /* [node][T][R] position at each node-mate of the tokens this rank forwards (its own,
      * then those received from each other node), then [T][N] each own token's position in
      * the slot of each node, then [132][N] per-block node counts */
-    add(&x, HEP_BUF_HANDLE_ROWS, "handle.dest_rows", "both", "i32", 4,
-        mul3(&x, T, W, 1) + mul3(&x, T, (size_t)nodes, 1) + 132 * (size_t)nodes,
-        HEP_ARENA_LOCAL, 0);
+    if (c->backend != HEP_BACKEND_HOST) /* the kernels' layout (the host backend pulls) */
+        add(&x, HEP_BUF_HANDLE_ROWS, "handle.dest_rows", "both", "i32", 4,
+            mul3(&x, T, W, 1) + mul3(&x, T, (size_t)nodes, 1) + 132 * (size_t)nodes,
+            HEP_ARENA_LOCAL, 0);
     add(&x, HEP_BUF_HANDLE_META, "handle.meta", "both", "i32", 4, 4 * W + El + 24 + HEP_WORK_WORDS,
         HEP_ARENA_LOCAL, 0);
-    add(&x, HEP_BUF_HANDLE_BLOCKS, "handle.block_counts", "dispatch", "i32", 4, 132 * W,
-        HEP_ARENA_LOCAL, 0);
+    if (c->backend != HEP_BACKEND_HOST)
+        add(&x, HEP_BUF_HANDLE_BLOCKS, "handle.block_counts", "dispatch", "i32", 4, 132 * W,
+            HEP_ARENA_LOCAL, 0);
     add(&x, HEP_BUF_DIAG, "diag.timeout_record", "both", "byte", 1, 4096, HEP_ARENA_MAPPED, 0);
     add(&x, HEP_BUF_HOST_COUNTS, "host.recv_counts", "dispatch", "i32", 4, El + 1,
         HEP_ARENA_PINNED, 0);
@@ -314,8 +336,10 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
         add(&x, HEP_BUF_HANDLE_IDS, "handle.topk_idx", "both", "i32", 4,
             mul3(&x, T, (size_t)c->max_topk, 1), HEP_ARENA_LOCAL, 0);
     if (nodes > 1) {
-        add(&x, HEP_BUF_PROXY, "proxy.ready_counters", "both", "u64", 8,
-            2 * (size_t)nodes * HEP_PX_NODE_WORDS, HEP_ARENA_MAPPED, 0);
+        if (c->backend != HEP_BACKEND_HOST) /* the kernels' words to the proxy (the host
+                                               backend's are in its flags buffers) */
+            add(&x, HEP_BUF_PROXY, "proxy.ready_counters", "both", "u64", 8,
+                2 * (size_t)nodes * HEP_PX_NODE_WORDS, HEP_ARENA_MAPPED, 0);
         plan_internode(&x, c, esize, nscale);
     }
     place(&x);

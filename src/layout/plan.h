@@ -75,6 +75,11 @@ typedef struct hep_plan_buffer {
 typedef struct hep_plan {
     int nodes, ranks_per_node, world;
     size_t max_recv_rows;
+    /* N > 1: each inter-node slot is a ring of `ring` positions of `chunk` tokens
+     * (slot_tokens = ring x chunk); ring = 1 and chunk = T is one chunk per slot (the GPU
+     * kernels, and config.chunk_tokens = 0) */
+    int chunk, ring;
+    size_t slot_tokens;
     size_t flag_words;              /* u64 counters in the flags buffer */
     hep_plan_buffer buf[HEP_BUF_COUNT];
     size_t arena_bytes[HEP_ARENA_COUNT];

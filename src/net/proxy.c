@@ -19,7 +19,10 @@ struct hep_proxy {
     unsigned char *posted;      /* per chunk */
     unsigned char *resolved;    /* per chunk: its extent was read from its descriptor */
     double *seen_ms;            /* per chunk: when it was first seen ready */
+    int *next_same;             /* per chunk: the next chunk of the batch to its peer, or n */
+    int *first_unposted;        /* [world]: the peer's earliest chunk not yet posted, or n */
     int n, remaining_posts;     /* chunks not yet posted */
+    int lo;                     /* every chunk before it is posted */
     uint64_t epoch, outstanding;/* work requests not yet completed */
     double deadline_ms;
     int rc;
@@ -56,6 +59,10 @@ static uint64_t ready_value(const hep_proxy_chunk *c)
 {
     return __atomic_load_n((const uint64_t *)c->ready, __ATOMIC_ACQUIRE);
 }
+static uint64_t wanted(const hep_proxy *p, const hep_proxy_chunk *c)
+{
+    return c->want ? c->want : p->epoch;
+}
 
 /* Ready, and its extent known: a descriptor is read once, after the acquire of ready. */
 static int ready_at(hep_proxy *p, int i)
@@ -64,7 +71,7 @@ static int ready_at(hep_proxy *p, int i)
     if (p->resolved[i])
         return 1;
     hep_debug_jitter(); /* stress runs: the ready word read late */
-    if (ready_value(c) < p->epoch)
+    if (ready_value(c) < wanted(p, c))
         return 0;
     if (c->desc) {
         uint64_t first = __atomic_load_n((const uint64_t *)&c->desc[0], __ATOMIC_RELAXED);
@@ -88,16 +95,19 @@ static int ready_at(hep_proxy *p, int i)
     return 1;
 }
 
-/* A fenced chunk waits for every earlier chunk to its peer. */
+/* A fenced chunk waits for every earlier chunk to its peer: the peer's earliest unposted
+ * chunk (advanced along the peer's own list, so the batch is walked once in all) is it. */
 static int postable(hep_proxy *p, int i)
 {
     const hep_proxy_chunk *c = &p->chunks[i];
     if (p->posted[i] || !ready_at(p, i))
         return 0;
-    if (c->fence)
-        for (int k = 0; k < i; k++)
-            if (!p->posted[k] && p->chunks[k].peer == c->peer)
-                return 0;
+    if (c->fence) {
+        int *f = &p->first_unposted[c->peer];
+        while (*f < p->n && p->posted[*f])
+            *f = p->next_same[*f];
+        return *f == i;
+    }
     return 1;
 }
 
@@ -153,7 +163,9 @@ static int step(hep_proxy *p)
 {
     hep_net_completion done[32];
     int did = 0, n;
-    for (int i = 0; i < p->n && !p->rc; i++)
+    while (p->lo < p->n && p->posted[p->lo])
+        p->lo++;
+    for (int i = p->lo; i < p->n && !p->rc; i++)
         if (postable(p, i)) {
             post_run(p, i);
             did = 1;
@@ -195,6 +207,8 @@ static int step(hep_proxy *p)
         }
         did = 1;
     }
+    if (did) /* a streaming batch is late only when nothing moved for HEP_TIMEOUT_MS */
+        p->deadline_ms = now_ms() + (double)hep_env_get()->timeout_ms;
     if (!p->rc && p->remaining_posts > 0 && now_ms() > p->deadline_ms) {
         char m[1024];
         for (int i = 0; i < p->n; i++)
@@ -205,7 +219,7 @@ static int step(hep_proxy *p)
                          "not publish it",
                          p->net->rank, i, p->chunks[i].name ? p->chunks[i].name : "?",
                          p->chunks[i].peer, (unsigned long long)hep_env_get()->timeout_ms,
-                         (unsigned long long)p->epoch,
+                         (unsigned long long)wanted(p, &p->chunks[i]),
                          (unsigned long long)ready_value(&p->chunks[i]));
                 break;
             }
@@ -240,7 +254,10 @@ static void *proxy_main(void *arg)
 int hep_proxy_create(hep_net *net, hep_proxy **out)
 {
     hep_proxy *p = calloc(1, sizeof(*p));
-    if (!p || !(p->stats = calloc((size_t)net->world, sizeof(*p->stats)))) {
+    if (!p || !(p->stats = calloc((size_t)net->world, sizeof(*p->stats))) ||
+        !(p->first_unposted = calloc((size_t)net->world, sizeof(int)))) {
+        if (p)
+            free(p->stats);
         free(p);
         return hep_fail(HEP_ERR_NOMEM, "proxy: out of memory");
     }
@@ -249,6 +266,7 @@ int hep_proxy_create(hep_net *net, hep_proxy **out)
     pthread_cond_init(&p->cond, NULL);
     if (pthread_create(&p->thread, NULL, proxy_main, p) != 0) {
         free(p->stats);
+        free(p->first_unposted);
         free(p);
         return hep_fail(HEP_ERR_INTERNAL, "proxy: cannot start its thread");
     }
@@ -274,14 +292,23 @@ int hep_proxy_submit(hep_proxy *p, const hep_proxy_chunk *chunks, int n, uint64_
     free(p->posted);
     free(p->resolved);
     free(p->seen_ms);
+    free(p->next_same);
     p->chunks = rc ? NULL : malloc(sizeof(*chunks) * (size_t)(n ? n : 1));
     p->posted = rc ? NULL : calloc((size_t)(n ? n : 1), 1);
     p->resolved = rc ? NULL : calloc((size_t)(n ? n : 1), 1);
     p->seen_ms = rc ? NULL : calloc((size_t)(n ? n : 1), sizeof(double));
-    if (!rc && (!p->chunks || !p->posted || !p->resolved || !p->seen_ms))
+    p->next_same = rc ? NULL : malloc(sizeof(int) * (size_t)(n ? n : 1));
+    if (!rc && (!p->chunks || !p->posted || !p->resolved || !p->seen_ms || !p->next_same))
         rc = hep_fail(HEP_ERR_NOMEM, "proxy: out of memory");
     if (!rc) {
         memcpy(p->chunks, chunks, sizeof(*chunks) * (size_t)n);
+        for (int r = 0; r < p->net->world; r++)
+            p->first_unposted[r] = n;
+        for (int i = n - 1; i >= 0; i--) { /* each peer's chunks as a list, in batch order */
+            p->next_same[i] = p->first_unposted[chunks[i].peer];
+            p->first_unposted[chunks[i].peer] = i;
+        }
+        p->lo = 0;
         p->n = p->remaining_posts = n;
         p->epoch = epoch;
         p->rc = 0;
@@ -329,8 +356,20 @@ void hep_proxy_destroy(hep_proxy *p)
     free(p->posted);
     free(p->resolved);
     free(p->seen_ms);
+    free(p->next_same);
+    free(p->first_unposted);
     free(p->stats);
     free(p);
+}
+
+void hep_proxy_cancel(hep_proxy *p, int rc, const char *why)
+{
+    pthread_mutex_lock(&p->lock);
+    if (p->busy) {
+        batch_fail(p, rc, why);
+        pthread_cond_broadcast(&p->cond);
+    }
+    pthread_mutex_unlock(&p->lock);
 }
 
 int hep_proxy_wait_flag(const volatile uint64_t *flag, uint64_t expect, int me, int peer,

@@ -6,8 +6,9 @@
  * when the chunk's data is in place. The proxy posts a chunk's RDMA WRITE as soon as it is
  * ready, then the chunk's flag write (8 bytes holding the epoch) on the same connection,
  * so the flag lands after the data (RC ordering). Ready chunks to the same peer whose
- * local and remote ranges are contiguous go out as one write. Nothing waits forever: a
- * chunk that is not ready within HEP_TIMEOUT_MS fails the batch with a message naming it.
+ * local and remote ranges are contiguous go out as one write. Nothing waits forever: when no
+ * chunk became ready for HEP_TIMEOUT_MS, the batch fails with a message naming the first
+ * one not ready (a batch may stream: a ring's chunks become ready as credits return).
  */
 #ifndef HEP_NET_PROXY_H
 #define HEP_NET_PROXY_H
@@ -37,6 +38,8 @@ typedef struct hep_proxy_chunk {
     size_t unit;
     int fence;                      /* 1: posted only after every earlier chunk of the batch
                                        to the same peer (a slot's flag after all its data) */
+    uint64_t want;                  /* 0: ready once *ready >= the batch's epoch; else once
+                                       *ready >= want (a ring's chunk k of a call, a credit) */
 } hep_proxy_chunk;
 
 typedef struct hep_proxy_peer_stats {
@@ -59,6 +62,10 @@ int hep_proxy_submit(hep_proxy *p, const hep_proxy_chunk *chunks, int n, uint64_
  * (a refused write: peer, buffer and verbs text; a chunk not ready in time: its name and
  * peer, HEP_ERR_TIMEOUT). */
 int hep_proxy_wait(hep_proxy *p);
+/* End the batch in flight now (its unposted chunks are dropped; posted writes are still
+ * completed): the producer gave up (a timeout of its own). hep_proxy_wait then returns
+ * `rc` with `why`. No batch in flight: nothing happens. */
+void hep_proxy_cancel(hep_proxy *p, int rc, const char *why);
 /* Bytes and work requests posted to `peer` since creation. */
 void hep_proxy_stats(hep_proxy *p, int peer, hep_proxy_peer_stats *out);
 /* Stop and join the thread. NULL is accepted. */

@@ -17,9 +17,11 @@
  * combine.rdma_intra_node_red_token, and sends them (then count, flag) into (n, l)'s
  * combine.rdma_inter_node_group_token slot for m; (n, l) adds its own node's share and
  * then the partial sums in ascending node order. */
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "core/core.h"
 #include "group/group.h"
@@ -128,6 +130,10 @@ static int first_invalid(const hep_group *g, const view *v, int *tok, int *slot,
     return 0;
 }
 
+static int local_experts(const hep_group *g, const view *v, int i, int r, int *es);
+
+/* Row `row` of this rank's receive buffers from token i of v; with g->row_experts (an
+ * expert-major dispatch) also the row's local experts, which permute() reads back. */
 static void receive(hep_group *g, const view *v, int i, int row, int *tpe)
 {
     const int El = g->cfg.experts_per_rank, H = g->cfg.hidden;
@@ -151,6 +157,12 @@ static void receive(hep_group *g, const view *v, int i, int row, int *tpe)
             dup |= id_at(v, i, q) == x;
         if (!dup)
             tpe[x - first]++;
+    }
+    if (g->row_experts) {
+        int es[32], n = local_experts(g, v, i, g->rank, es);
+        int *o = g->row_experts + (size_t)row * (size_t)g->cfg.max_topk;
+        for (int q = 0; q < g->cfg.max_topk; q++)
+            o[q] = q < n ? es[q] : -1;
     }
 }
 
@@ -199,97 +211,6 @@ static void record_ids(hep_group *g, const view *mine)
         }
 }
 
-/* Node-mate l's receive slot for source node ns (count from its flag words). */
-static void slot_view(hep_group *g, int l, int ns, view *v)
-{
-    const size_t T = (size_t)g->cfg.max_tokens, H = (size_t)g->cfg.hidden;
-    const size_t rb = H * (g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2);
-    const int kmax = g->cfg.max_topk, s = hep_slot_of(ns, g->node);
-    const uint64_t *fl = (const uint64_t *)mate_local(g, l, HEP_BUF_D_GROUP_FLAGS);
-    const char *route = mate_local(g, l, HEP_BUF_D_GROUP_PROB) + (size_t)s * T * 2 * (size_t)kmax * 4;
-    memset(v, 0, sizeof(*v));
-    v->slot = 1;
-    v->kmax = kmax;
-    v->t = (int)fl[s];
-    v->tokens = (const unsigned char *)mate_local(g, l, HEP_BUF_D_GROUP_TOKEN) + (size_t)s * T * rb;
-    v->ids = (const int *)route;
-    v->w = (const float *)(route + T * (size_t)kmax * 4);
-    if (g->cfg.dtype == HEP_DTYPE_FP8_E4M3)
-        v->scales = (const float *)mate_local(g, l, HEP_BUF_D_GROUP_SCALE) +
-                    (size_t)s * T * (H / HEP_FP8_BLOCK);
-}
-
-/* Pack, for every other node, the tokens it needs (with their routing and scales) into
- * that node's send slot, in source order: the receiver's slot layout, so each buffer goes
- * out in one write per node; then the slot's count and flag. */
-static int send_dispatch(hep_group *g, const hep_dispatch_args *a, uint64_t e)
-{
-    const size_t T = (size_t)g->cfg.max_tokens, H = (size_t)g->cfg.hidden;
-    const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3, kmax = g->cfg.max_topk;
-    const size_t rb = H * (fp8 ? 1 : 2), ns = H / HEP_FP8_BLOCK, rw = (size_t)kmax * 4;
-    char *tok = hep_my_buf(g, HEP_BUF_D_ATTN_TOKEN);
-    char *route = hep_my_buf(g, HEP_BUF_D_ATTN_PROB);
-    char *scale = fp8 ? hep_my_buf(g, HEP_BUF_D_ATTN_SCALE) : NULL;
-    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_D_ATTN_FLAGS);
-    hep_proxy_chunk *ch;
-    view mine;
-    int n = 0, rc;
-    if (g->N == 1)
-        return HEP_OK; /* one node: nothing crosses a network */
-    ch = malloc(sizeof(*ch) * 6 * (size_t)g->N);
-    if (!ch)
-        return hep_fail(HEP_ERR_NOMEM, "dispatch: out of memory");
-    own_view(g, g->local, &mine);
-    for (int m = 0; m < g->N; m++) {
-        const int peer = m * g->R + g->local, j = hep_slot_of(m, g->node), s = hep_slot_of(g->node, m);
-        const volatile uint64_t *ready = words + g->N + m;
-        size_t k = 0;
-        if (m == g->node)
-            continue;
-        /* the arrival word (words [2N, 3N)) goes first, ahead of the slot and its flag */
-        __atomic_store_n(&words[2 * g->N + m], e, __ATOMIC_RELEASE);
-        ch[n++] = hep_wire_chunk(g, peer, HEP_BUF_D_ATTN_FLAGS, (size_t)(2 * g->N + m) * 8,
-                                 HEP_BUF_D_GROUP_FLAGS, (size_t)(2 * g->N + s) * 8, 8,
-                                 words + 2 * g->N + m);
-        for (int i = 0; i < a->num_tokens; i++) {
-            int *ids;
-            float *w;
-            if (!needs_node(g, &mine, i, m))
-                continue;
-            memcpy(tok + ((size_t)j * T + k) * rb, (const char *)a->tokens + (size_t)i * rb, rb);
-            if (fp8)
-                memcpy(scale + ((size_t)j * T + k) * ns * 4, a->scales + (size_t)i * ns, ns * 4);
-            ids = (int *)(route + ((size_t)j * 2 * T + k) * rw);
-            w = (float *)(route + ((size_t)j * 2 * T + T + k) * rw);
-            for (int q = 0; q < kmax; q++) {
-                long long x = q < a->topk ? id_at(&mine, i, q) : -1;
-                /* an invalid id (reported by this rank) travels as an unused slot */
-                ids[q] = x >= 0 && x < (long long)g->cfg.experts_per_rank * g->world ? (int)x : -1;
-                w[q] = q < a->topk ? w_at(&mine, i, q) : 0.f;
-            }
-            k++;
-        }
-        if (k) {
-            ch[n++] = hep_wire_chunk(g, peer, HEP_BUF_D_ATTN_TOKEN, (size_t)j * T * rb,
-                            HEP_BUF_D_GROUP_TOKEN, (size_t)s * T * rb, k * rb, ready);
-            ch[n++] = hep_wire_chunk(g, peer, HEP_BUF_D_ATTN_PROB, (size_t)j * 2 * T * rw,
-                            HEP_BUF_D_GROUP_PROB, (size_t)s * 2 * T * rw, k * rw, ready);
-            ch[n++] = hep_wire_chunk(g, peer, HEP_BUF_D_ATTN_PROB, ((size_t)j * 2 * T + T) * rw,
-                            HEP_BUF_D_GROUP_PROB, ((size_t)s * 2 * T + T) * rw, k * rw, ready);
-            if (fp8)
-                ch[n++] = hep_wire_chunk(g, peer, HEP_BUF_D_ATTN_SCALE, (size_t)j * T * ns * 4,
-                                HEP_BUF_D_GROUP_SCALE, (size_t)s * T * ns * 4, k * ns * 4, ready);
-        }
-        words[m] = (uint64_t)k;
-        __atomic_store_n(&words[g->N + m], e, __ATOMIC_RELEASE); /* ready = the flag value */
-        ch[n++] = hep_wire_count_then_flag(g, peer, HEP_BUF_D_ATTN_FLAGS, HEP_BUF_D_GROUP_FLAGS, m, s,
-                                  ready);
-    }
-    rc = hep_proxy_submit(g->proxy, ch, n, e);
-    free(ch);
-    return rc ? rc : hep_proxy_wait(g->proxy);
-}
-
 /* Expert e's positions of its local experts that token i of v chose, ascending, distinct
  * (at most 32). */
 static int local_experts(const hep_group *g, const view *v, int i, int r, int *es)
@@ -314,25 +235,6 @@ static int local_experts(const hep_group *g, const view *v, int i, int r, int *e
     return n;
 }
 
-static float weight_on(const hep_group *g, const view *v, int i, long long x)
-{
-    float p = 0;
-    (void)g;
-    for (int k = 0; k < kslots(v); k++)
-        if (id_at(v, i, k) == x)
-            p += w_at(v, i, k);
-    return p;
-}
-
-/* Source s of this rank's receive order, as dispatch reads it (the slots are complete). */
-static void source_view(hep_group *g, int ns, int l, view *v)
-{
-    if (ns == g->node)
-        own_view(g, l, v);
-    else
-        slot_view(g, l, ns, v);
-}
-
 /* Expert-major outputs (hybridep.h, "Layouts"): every (token, local expert) row written at
  * its position in caller memory, padding zeroed, rows at or past the budget dropped.
  * cnt[e]: received tokens with a slot on e. Fills h's ebase / tpe / counts. */
@@ -343,9 +245,13 @@ static size_t permute(hep_group *g, hep_handle *h, const int *cnt, const hep_dis
     const size_t rb = (size_t)H * (fp8 ? 1 : 2), ns = (size_t)H / HEP_FP8_BLOCK;
     const size_t row_bytes = rb + sizeof(float) + (fp8 ? ns * sizeof(float) : 0);
     unsigned char *tok = x->recv_tokens;
+    const unsigned char *rows = (const unsigned char *)hep_my_buf(g, HEP_BUF_TOKEN_X);
+    const float *probs = (const float *)hep_my_buf(g, HEP_BUF_RECV_PROB);
+    const float *scales = fp8 ? (const float *)hep_my_buf(g, HEP_BUF_RECV_SCALE) : NULL;
+    const int *base = (const int *)hep_my_buf(g, HEP_BUF_HANDLE_META);
     long long *run = malloc(sizeof(long long) * (size_t)El), pos = 0;
     size_t written = 0;
-    int dropped = 0, es[32];
+    int dropped = 0;
     if (!run)
         return (size_t)-1;
     for (int e = 0; e < El; e++) {
@@ -365,31 +271,28 @@ static size_t permute(hep_group *g, hep_handle *h, const int *cnt, const hep_dis
     }
     h->num_permuted = (int)(pos < budget ? pos : budget);
     h->overflow = pos > budget;
-    for (int sn = 0; sn < g->N; sn++)
-        for (int l = 0; l < g->R; l++) {
-            const int src = sn * g->R + l;
-            view v;
-            source_view(g, sn, l, &v);
-            for (int e = 0; e < El; e++)
-                h->ebase[(size_t)src * (size_t)El + (size_t)e] = (int)run[e];
-            for (int i = 0; i < v.t; i++) {
-                int n = local_experts(g, &v, i, g->rank, es);
-                for (int q = 0; q < n; q++) {
-                    long long p = run[es[q]]++;
-                    if (p >= budget) {
-                        dropped++;
-                        continue;
-                    }
-                    memcpy(tok + (size_t)p * rb, v.tokens + (size_t)i * rb, rb);
-                    x->recv_probs[p] =
-                        weight_on(g, &v, i, (long long)g->rank * El + es[q]);
-                    if (fp8)
-                        memcpy(x->recv_scales + (size_t)p * ns, v.scales + (size_t)i * ns,
-                               ns * sizeof(float));
-                    written += row_bytes;
+    /* from the rank-major rows just received (the other nodes' rings are reused while a
+     * dispatch reads them): the same order, source by source */
+    for (int src = 0; src < g->world; src++) {
+        for (int e = 0; e < El; e++)
+            h->ebase[(size_t)src * (size_t)El + (size_t)e] = (int)run[e];
+        for (int row = base[src]; row < base[src + 1]; row++) {
+            const int *es = g->row_experts + (size_t)row * (size_t)g->cfg.max_topk;
+            for (int q = 0; q < g->cfg.max_topk && es[q] >= 0; q++) {
+                long long p = run[es[q]]++;
+                if (p >= budget) {
+                    dropped++;
+                    continue;
                 }
+                memcpy(tok + (size_t)p * rb, rows + (size_t)row * rb, rb);
+                x->recv_probs[p] = probs[(size_t)row * (size_t)El + (size_t)es[q]];
+                if (fp8)
+                    memcpy(x->recv_scales + (size_t)p * ns, scales + (size_t)row * ns,
+                           ns * sizeof(float));
+                written += row_bytes;
             }
         }
+    }
     h->overflow_rows = dropped;
     free(run);
     return written;
@@ -398,7 +301,7 @@ static size_t permute(hep_group *g, hep_handle *h, const int *cnt, const hep_dis
 /* The layout a later combine needs, from the group's buffers of this dispatch. */
 static void record(hep_group *g, hep_handle *h, const hep_dispatch_args *a, uint64_t e, int rows)
 {
-    const size_t kmax = (size_t)g->cfg.max_topk, T = (size_t)g->cfg.max_tokens;
+    const size_t kmax = (size_t)g->cfg.max_topk;
     view mine;
     own_view(g, g->local, &mine);
     h->epoch = e;
@@ -410,14 +313,8 @@ static void record(hep_group *g, hep_handle *h, const hep_dispatch_args *a, uint
         for (size_t k = 0; k < kmax; k++)
             h->w[(size_t)i * kmax + k] = (int)k < a->topk ? w_at(&mine, i, (int)k) : 0.f;
     memcpy(h->base, hep_my_buf(g, HEP_BUF_HANDLE_META), sizeof(int) * (size_t)(g->world + 1));
-    for (int m = 0; m < g->N; m++) {
-        view v;
-        if (m == g->node)
-            continue;
-        slot_view(g, g->local, m, &v);
-        h->slot_t[m] = v.t;
-        memcpy(h->slot_ids + (size_t)m * T * kmax, v.ids, sizeof(int) * (size_t)v.t * kmax);
-    }
+    /* slot_t and slot_ids (the other nodes' slots at this rank) were recorded by the pull,
+     * while each chunk was in the ring */
 }
 
 /* HEP_REUSE_LAYOUT: the recorded routing as the arguments of a dispatch (kmax slots of
@@ -463,42 +360,270 @@ static size_t copy_out(hep_group *g, int rows, hep_dispatch_opts *x)
     return bytes;
 }
 
-/* source_view, once another node's slot of call e arrived (its flag came). */
-static int arrived_source_view(hep_group *g, int ns, int l, uint64_t e, view *v)
+/* ---------------------------------------------------------------- the inter-node rings
+ *
+ * Each slot (a sender's staging for a node, a receiver's slot of a node, the partial sums)
+ * is a ring of P positions of C tokens (g->plan.ring, g->plan.chunk; the words of
+ * kernels/ep_kernels.h, "rings"). Chunk k of a call, the slot's tokens [kC, kC + C), is in
+ * position k % P. Ordering, for one ring (sender S = (m, l), receiver Q = (n, l)):
+ *  - S packs chunk k into its staging position only once the credit word (its
+ *    attn flags, word B + n, written by Q's proxy) holds RING_VAL(e, k - P + 1): Q's node
+ *    read chunk k - P, so its data landed (the NIC had read S's staging position) and
+ *    Q's position is free. S then stores RING_VAL(e, k + 1) with release into the flag
+ *    source of the position: the proxy reads it with acquire (it is the chunk's ready word),
+ *    posts the data and then, fenced behind every earlier chunk to Q, the flag write of
+ *    that word on the same connection (RC order: the flag lands after the data).
+ *  - The position's flag source is rewritten (for chunk k + P) only after credit k came,
+ *    i.e. after Q saw chunk k's flag, so the NIC never reads a flag claiming unsent data.
+ *  - Readers at Q's node wait for the landed word (Q's group flags, word B + s) with
+ *    acquire, read the chunk, then store RING_VAL(e, k + 1) with release into their read
+ *    word for (Q, s) (sync.flags). Q takes the minimum over its node-mates and stores it
+ *    with release into its credit source (word B + N + s); the proxy posts it to S once it
+ *    holds what a credit chunk wants. A credit only ever under-states what was read.
+ *  - Chunks 0..P-1 of a call need no credit: a sender starts call e + 1 only after call e
+ *    ended everywhere it could still be read (docs/architecture.md, "buffer reuse").
+ * Every loop that waits on a ring also produces and frees, so no rank waits for a credit
+ * that only its own progress could give; a loop that moves nothing for HEP_TIMEOUT_MS fails
+ * naming the rank it waits for. */
+
+static double now_ms(void)
 {
-    if (ns != g->node) {
-        const uint64_t *fl = (const uint64_t *)mate_local(g, l, HEP_BUF_D_GROUP_FLAGS);
-        const int s = hep_slot_of(ns, g->node);
-        int rc = wait_ge(g, (volatile uint64_t *)&fl[g->N + s], e, ns * g->R + l,
-                         "its dispatch rows", &fl[2 * g->N + s]);
-        if (rc)
-            return rc;
-    }
-    source_view(g, ns, l, v);
-    return HEP_OK;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
+}
+static size_t cb_words(const hep_group *g)
+{
+    return HEP_COUNT_BLOCK_WORDS((size_t)g->R, (size_t)g->cfg.experts_per_rank);
+}
+static size_t ring_base(const hep_group *g)
+{
+    return HEP_RING_WORD((size_t)g->N, cb_words(g));
+}
+static size_t src_word(const hep_group *g, int m, int p)
+{
+    return HEP_RING_SRC_WORD((size_t)g->N, cb_words(g), (size_t)m, (size_t)p,
+                             (size_t)g->plan.ring);
+}
+/* The row within its slot of the k-th token of a call's slot stream. */
+static size_t ring_row(const hep_group *g, size_t k)
+{
+    const size_t C = (size_t)g->plan.chunk, P = (size_t)g->plan.ring;
+    return k / C % P * C + k % C;
+}
+static int chunks_of(const hep_group *g, int tokens)
+{
+    return (tokens + g->plan.chunk - 1) / g->plan.chunk;
+}
+/* Chunks of call e in a ring word (0 for an earlier call's value). */
+static int chunks_in(uint64_t v, uint64_t e)
+{
+    return v >= HEP_RING_VAL(e, 0) ? (int)(v - HEP_RING_VAL(e, 0)) : 0;
+}
+static uint64_t load_acq(const volatile uint64_t *w)
+{
+    return __atomic_load_n((const uint64_t *)w, __ATOMIC_ACQUIRE);
+}
+/* Reader `reader`'s count of the chunks it read of node-mate l's ring for slot s. */
+static uint64_t *read_word(hep_group *g, int reader, int l, int s)
+{
+    return flags_of(g, reader) + 16 + 2 * (size_t)g->world + (size_t)l * (size_t)(g->N - 1) +
+           (size_t)s;
 }
 
-/* The receive capacity (config.max_recv_rows), agreed before any rank writes a row: each
- * rank counts the rows it needs from the same sources the pull below reads (its node-mates'
- * inputs and, once their flags are in, their slots of the other nodes), then every rank's
- * count goes to every rank through the bootstrap's allgather. Nobody writes a receive
- * buffer before the allgather, and nobody reads a source after it unless every count fits,
- * so on an overflow every rank returns HEP_ERR_OVERFLOW with the same message and nothing
- * written; the allgather also stands for the end-of-reading handshake of that case. */
+/* One other node m, this rank as its sender (dispatch rows or partial sums) and receiver. */
+typedef struct ring_peer {
+    int m, peer;      /* the node, and its rank with this local rank */
+    int j, s;         /* my slot index for m (send staging, my receive slot); mine at m */
+    int *list;        /* dispatch: my tokens that need m, in order */
+    int cnt, nk, next;/* tokens and chunks to send; the next chunk to pack */
+    int final;        /* the slot's count and flag are ready */
+    int in_cnt, in_nk;/* tokens and chunks of m's slot here */
+    int got;          /* combine: partial sums of m read so far */
+} ring_peer;
+
+/* Pack chunk k of my slot for node d->m into its staging position (dispatch). */
+static void pack_chunk(hep_group *g, const hep_dispatch_args *a, const view *mine,
+                       const ring_peer *d, int k)
+{
+    const size_t S = g->plan.slot_tokens, H = (size_t)g->cfg.hidden;
+    const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3, kmax = g->cfg.max_topk;
+    const size_t rb = H * (fp8 ? 1 : 2), ns = H / HEP_FP8_BLOCK, rw = (size_t)kmax * 4;
+    const long long E = (long long)g->cfg.experts_per_rank * g->world;
+    char *tok = hep_my_buf(g, HEP_BUF_D_ATTN_TOKEN), *route = hep_my_buf(g, HEP_BUF_D_ATTN_PROB);
+    char *scale = fp8 ? hep_my_buf(g, HEP_BUF_D_ATTN_SCALE) : NULL;
+    const int end = (k + 1) * g->plan.chunk < d->cnt ? (k + 1) * g->plan.chunk : d->cnt;
+    for (int q = k * g->plan.chunk; q < end; q++) {
+        const int i = d->list[q];
+        const size_t r = (size_t)d->j * S + ring_row(g, (size_t)q);
+        int *ids = (int *)(route + ((size_t)d->j * 2 * S + ring_row(g, (size_t)q)) * rw);
+        float *w = (float *)(route + ((size_t)d->j * 2 * S + S + ring_row(g, (size_t)q)) * rw);
+        memcpy(tok + r * rb, (const char *)a->tokens + (size_t)i * rb, rb);
+        if (fp8)
+            memcpy(scale + r * ns * 4, a->scales + (size_t)i * ns, ns * 4);
+        for (int x = 0; x < kmax; x++) {
+            long long id = x < a->topk ? id_at(mine, i, x) : -1;
+            /* an invalid id (reported by this rank) travels as an unused slot */
+            ids[x] = id >= 0 && id < E ? (int)id : -1;
+            w[x] = x < a->topk ? w_at(mine, i, x) : 0.f;
+        }
+    }
+}
+
+/* Dispatch, step 1: for every other node m, the tokens that need it, the slot's count and
+ * count block (tokens per (local rank, expert) there), then the arrival word, fenced
+ * behind them: the receivers size their rings, and the capacity is agreed, before any row
+ * moves. */
+static int dispatch_announce(hep_group *g, const hep_dispatch_args *a, uint64_t e, ring_peer *rp)
+{
+    const int El = g->cfg.experts_per_rank, N = g->N;
+    const size_t cb = cb_words(g);
+    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_D_ATTN_FLAGS);
+    hep_proxy_chunk *ch = malloc(sizeof(*ch) * 3 * (size_t)N);
+    view mine;
+    int n = 0, rc, es[32];
+    if (!ch)
+        return hep_fail(HEP_ERR_NOMEM, "dispatch: out of memory");
+    own_view(g, g->local, &mine);
+    for (int m = 0; m < N; m++) {
+        ring_peer *d = &rp[m];
+        int *blk = (int *)(words + 3 * (size_t)N + (size_t)m * cb);
+        if (m == g->node)
+            continue;
+        memset(blk, 0, cb * 8);
+        for (int i = 0; i < a->num_tokens; i++) {
+            if (!needs_node(g, &mine, i, m))
+                continue;
+            d->list[d->cnt++] = i;
+            for (int dl = 0; dl < g->R; dl++) {
+                int ne = local_experts(g, &mine, i, m * g->R + dl, es);
+                blk[dl * (El + 1)] += ne > 0;
+                for (int q = 0; q < ne; q++)
+                    blk[dl * (El + 1) + 1 + es[q]]++;
+            }
+        }
+        d->nk = chunks_of(g, d->cnt);
+        words[m] = (uint64_t)d->cnt;
+        __atomic_store_n(&words[2 * N + m], e, __ATOMIC_RELEASE);
+        ch[n++] = hep_wire_chunk(g, d->peer, HEP_BUF_D_ATTN_FLAGS, (size_t)m * 8,
+                                 HEP_BUF_D_GROUP_FLAGS, (size_t)d->s * 8, 8, words + 2 * N + m);
+        ch[n++] = hep_wire_chunk(g, d->peer, HEP_BUF_D_ATTN_FLAGS, (3 * (size_t)N + m * cb) * 8,
+                                 HEP_BUF_D_GROUP_FLAGS, (3 * (size_t)N + d->s * cb) * 8, cb * 8,
+                                 words + 2 * N + m);
+        ch[n++] = hep_wire_flag(g, d->peer, HEP_BUF_D_ATTN_FLAGS, 2 * (size_t)N + m,
+                                HEP_BUF_D_GROUP_FLAGS, 2 * (size_t)N + d->s, e);
+    }
+    rc = hep_proxy_submit(g->proxy, ch, n, e);
+    free(ch);
+    return rc ? rc : hep_proxy_wait(g->proxy);
+}
+
+/* Step 2's batch: every chunk of every slot (its data, then its flag), the slots' final
+ * count and flag, and the credits this rank owes for the chunks its ring receives. */
+static int dispatch_stream(hep_group *g, uint64_t e, const ring_peer *rp)
+{
+    const size_t S = g->plan.slot_tokens, H = (size_t)g->cfg.hidden, C = (size_t)g->plan.chunk;
+    const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3, P = g->plan.ring, N = g->N;
+    const size_t rb = H * (fp8 ? 1 : 2), sb = H / HEP_FP8_BLOCK * 4;
+    const size_t rw = (size_t)g->cfg.max_topk * 4, B = ring_base(g);
+    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_D_ATTN_FLAGS);
+    uint64_t *in = (uint64_t *)hep_my_buf(g, HEP_BUF_D_GROUP_FLAGS);
+    size_t total = 0;
+    hep_proxy_chunk *ch;
+    int n = 0, rc;
+    for (int m = 0; m < N; m++)
+        if (m != g->node)
+            total += (size_t)rp[m].nk * 5 + 1 + (size_t)rp[m].in_nk;
+    ch = malloc(sizeof(*ch) * (total ? total : 1));
+    if (!ch)
+        return hep_fail(HEP_ERR_NOMEM, "dispatch: out of memory");
+    for (int m = 0; m < N; m++) {
+        const ring_peer *d = &rp[m];
+        if (m == g->node)
+            continue;
+        for (int k = 0; k < d->nk; k++) {
+            const size_t p = (size_t)(k % P), rows = (size_t)(d->cnt - k * (int)C) < C
+                                                        ? (size_t)(d->cnt - k * (int)C)
+                                                        : C;
+            const size_t lr = (size_t)d->j * S + p * C, rr = (size_t)d->s * S + p * C;
+            const uint64_t want = HEP_RING_VAL(e, k + 1);
+            const volatile uint64_t *ready = words + src_word(g, m, (int)p);
+            hep_proxy_chunk *c0 = ch + n;
+            ch[n++] = hep_wire_chunk(g, d->peer, HEP_BUF_D_ATTN_TOKEN, lr * rb,
+                                     HEP_BUF_D_GROUP_TOKEN, rr * rb, rows * rb, ready);
+            ch[n++] = hep_wire_chunk(g, d->peer, HEP_BUF_D_ATTN_PROB,
+                                     ((size_t)d->j * 2 * S + p * C) * rw, HEP_BUF_D_GROUP_PROB,
+                                     ((size_t)d->s * 2 * S + p * C) * rw, rows * rw, ready);
+            ch[n++] = hep_wire_chunk(g, d->peer, HEP_BUF_D_ATTN_PROB,
+                                     ((size_t)d->j * 2 * S + S + p * C) * rw, HEP_BUF_D_GROUP_PROB,
+                                     ((size_t)d->s * 2 * S + S + p * C) * rw, rows * rw, ready);
+            if (fp8)
+                ch[n++] = hep_wire_chunk(g, d->peer, HEP_BUF_D_ATTN_SCALE, lr * sb,
+                                         HEP_BUF_D_GROUP_SCALE, rr * sb, rows * sb, ready);
+            for (hep_proxy_chunk *c = c0; c < ch + n; c++)
+                c->want = want;
+            ch[n++] = hep_wire_flag(g, d->peer, HEP_BUF_D_ATTN_FLAGS, src_word(g, m, (int)p),
+                                    HEP_BUF_D_GROUP_FLAGS, B + (size_t)d->s, want);
+        }
+        /* the slot's flag (its count went ahead in step 1) */
+        ch[n++] = hep_wire_flag(g, d->peer, HEP_BUF_D_ATTN_FLAGS, (size_t)(N + m),
+                                HEP_BUF_D_GROUP_FLAGS, (size_t)N + (size_t)d->s, e);
+    }
+    for (int m = 0; m < N; m++) /* after all data: a flag never waits behind a credit */
+        for (int k = 0; m != g->node && !g->hold_credits && k < rp[m].in_nk - P; k++) {
+            ch[n] = hep_wire_chunk(g, rp[m].peer, HEP_BUF_D_GROUP_FLAGS,
+                                   (B + (size_t)N + (size_t)rp[m].j) * 8, HEP_BUF_D_ATTN_FLAGS,
+                                   (B + (size_t)g->node) * 8, 8, in + B + N + rp[m].j);
+            ch[n++].want = HEP_RING_VAL(e, k + 1);
+        }
+    rc = hep_proxy_submit(g->proxy, ch, n, e);
+    free(ch);
+    return rc;
+}
+
+/* Ends a streaming batch after its producer failed: the producer's message stands unless
+ * the NIC refused a write (that is the cause). */
+static int stream_abort(hep_group *g, int rc, const char *msg)
+{
+    int prc;
+    hep_proxy_cancel(g->proxy, rc, msg);
+    prc = hep_proxy_wait(g->proxy);
+    if (prc == HEP_ERR_VERBS)
+        rc = prc;
+    else
+        hep_fail(rc, "%s", msg);
+    snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", hep_last_error());
+    g->broken = 1;
+    return rc;
+}
+
+/* The receive capacity (config.max_recv_rows), agreed before any row moves: each rank
+ * counts the rows it needs from its node-mates' inputs and, for the other nodes, from the
+ * count blocks their slots sent ahead of the rows (tokens per local rank), then every
+ * rank's count goes to every rank through the bootstrap's allgather. On an overflow every
+ * rank returns HEP_ERR_OVERFLOW with the same message, before any row was sent or written;
+ * the allgather also stands for the end-of-reading handshake of that case. */
 static int agree_capacity(hep_group *g, uint64_t e)
 {
     const long long cap = g->cfg.max_recv_rows;
+    const int El = g->cfg.experts_per_rank;
+    const size_t cb = cb_words(g);
     long long need = 0, *all;
     int rc = HEP_OK, over = -1, n_over = 0;
-    for (int ns = 0; ns < g->N && rc == HEP_OK; ns++)
-        for (int l = 0; l < g->R && rc == HEP_OK; l++) {
+    for (int ns = 0; ns < g->N; ns++)
+        for (int l = 0; l < g->R; l++) {
             view v;
-            rc = arrived_source_view(g, ns, l, e, &v);
-            for (int i = 0; rc == HEP_OK && i < v.t; i++)
-                need += needs_rank(g, &v, i, g->rank);
+            if (ns == g->node) {
+                own_view(g, l, &v);
+                for (int i = 0; i < v.t; i++)
+                    need += needs_rank(g, &v, i, g->rank);
+            } else {
+                const uint64_t *fl = (const uint64_t *)mate_local(g, l, HEP_BUF_D_GROUP_FLAGS);
+                const int *blk = (const int *)(fl + 3 * (size_t)g->N +
+                                               (size_t)hep_slot_of(ns, g->node) * cb);
+                need += blk[g->local * (El + 1)];
+            }
         }
-    if (rc)
-        return rc;
     all = malloc(sizeof(long long) * (size_t)g->world);
     if (!all) { /* the others wait in the allgather: this rank cannot go on either */
         snprintf(g->broken_msg, sizeof(g->broken_msg),
@@ -522,7 +647,7 @@ static int agree_capacity(hep_group *g, uint64_t e)
     if (over >= 0) {
         long long worst = all[over];
         free(all);
-        g->epoch = e; /* this call's slots and flags are spent: the next call is e + 1 */
+        g->epoch = e; /* this call's counts and flags are spent: the next call is e + 1 */
         return hep_fail(HEP_ERR_OVERFLOW,
                         "dispatch: rank %d needs %lld receive rows, more than "
                         "config.max_recv_rows = %lld (%d rank(s) over); nothing was received on "
@@ -531,6 +656,235 @@ static int agree_capacity(hep_group *g, uint64_t e)
     }
     free(all);
     return HEP_OK;
+}
+
+/* Step 1's counts of every slot this rank reads (node-mates' rings), once they came. */
+static int wait_counts(hep_group *g, uint64_t e, ring_peer *rp)
+{
+    for (int ns = 0; ns < g->N; ns++)
+        for (int l = 0; ns != g->node && l < g->R; l++) {
+            const uint64_t *fl = (const uint64_t *)mate_local(g, l, HEP_BUF_D_GROUP_FLAGS);
+            const int s = hep_slot_of(ns, g->node);
+            int rc = wait_ge(g, (volatile uint64_t *)&fl[2 * (size_t)g->N + (size_t)s], e,
+                             ns * g->R + l, "its dispatch counts (the arrival word)", NULL);
+            if (rc)
+                return rc;
+            if (l == g->local) {
+                rp[ns].in_cnt = (int)fl[s];
+                rp[ns].in_nk = chunks_of(g, rp[ns].in_cnt);
+            }
+        }
+    return HEP_OK;
+}
+
+/* The pull of one dispatch as a loop that also packs this rank's chunks and frees the
+ * chunks of its ring (see "the inter-node rings"). Receive order: [source node][source
+ * local][token]; another node's source (ns, l) is read from node-mate l's ring for ns,
+ * chunk by chunk once each landed. */
+typedef struct pull {
+    int ns, l, i, t, started; /* the source being read, its next token and its tokens */
+    int row;                  /* rows received so far */
+} pull;
+
+/* The view of chunk q of node-mate l's ring for source node ns (its v.t tokens). */
+static void chunk_view(hep_group *g, int l, int ns, int q, int cnt, view *v)
+{
+    const size_t S = g->plan.slot_tokens, H = (size_t)g->cfg.hidden, C = (size_t)g->plan.chunk;
+    const size_t rb = H * (g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2);
+    const size_t kmax = (size_t)g->cfg.max_topk, s = (size_t)hep_slot_of(ns, g->node);
+    const size_t r0 = s * S + (size_t)(q % g->plan.ring) * C;
+    const char *route = mate_local(g, l, HEP_BUF_D_GROUP_PROB) + s * 2 * S * kmax * 4;
+    memset(v, 0, sizeof(*v));
+    v->slot = 1;
+    v->kmax = (int)kmax;
+    v->t = cnt - q * (int)C < (int)C ? cnt - q * (int)C : (int)C;
+    v->tokens = (const unsigned char *)mate_local(g, l, HEP_BUF_D_GROUP_TOKEN) + r0 * rb;
+    v->ids = (const int *)route + (size_t)(q % g->plan.ring) * C * kmax;
+    v->w = (const float *)(route + S * kmax * 4) + (size_t)(q % g->plan.ring) * C * kmax;
+    if (g->cfg.dtype == HEP_DTYPE_FP8_E4M3)
+        v->scales = (const float *)mate_local(g, l, HEP_BUF_D_GROUP_SCALE) +
+                    r0 * (H / HEP_FP8_BLOCK);
+}
+
+/* Read what is readable; 1 if anything moved. Sets *wait_l / *wait_q to the chunk it
+ * waits for (or -1). */
+static int pull_step(hep_group *g, uint64_t e, pull *c, int *tpe, int record_slots, hep_handle *h,
+                     int *wait_q)
+{
+    const size_t kmax = (size_t)g->cfg.max_topk, T = (size_t)g->cfg.max_tokens;
+    const size_t B = ring_base(g);
+    int *base = (int *)hep_my_buf(g, HEP_BUF_HANDLE_META);
+    int did = 0;
+    *wait_q = -1;
+    while (c->ns < g->N) {
+        view v;
+        if (!c->started) {
+            base[c->ns * g->R + c->l] = c->row;
+            if (c->ns == g->node) {
+                own_view(g, c->l, &v);
+                c->t = v.t;
+            } else {
+                const uint64_t *fl = (const uint64_t *)mate_local(g, c->l, HEP_BUF_D_GROUP_FLAGS);
+                c->t = (int)fl[hep_slot_of(c->ns, g->node)];
+                if (record_slots && c->l == g->local)
+                    h->slot_t[c->ns] = c->t;
+            }
+            c->i = 0;
+            c->started = 1;
+        }
+        if (c->i >= c->t) {
+            c->started = 0;
+            if (++c->l == g->R)
+                c->l = 0, c->ns++;
+            continue;
+        }
+        if (c->ns == g->node) {
+            own_view(g, c->l, &v);
+            for (; c->i < v.t; c->i++)
+                if (needs_rank(g, &v, c->i, g->rank))
+                    receive(g, &v, c->i, c->row++, tpe);
+        } else {
+            const int s = hep_slot_of(c->ns, g->node), q = c->i / g->plan.chunk;
+            const uint64_t *fl = (const uint64_t *)mate_local(g, c->l, HEP_BUF_D_GROUP_FLAGS);
+            if (chunks_in(load_acq(&fl[B + (size_t)s]), e) < q + 1) {
+                *wait_q = q;
+                return did;
+            }
+            chunk_view(g, c->l, c->ns, q, c->t, &v);
+            for (int k = 0; k < v.t; k++)
+                if (needs_rank(g, &v, k, g->rank))
+                    receive(g, &v, k, c->row++, tpe);
+            if (record_slots && c->l == g->local) /* the routing a combine of mine reads */
+                memcpy(h->slot_ids + ((size_t)c->ns * T + (size_t)c->i) * kmax, v.ids,
+                       sizeof(int) * (size_t)v.t * kmax);
+            c->i += v.t;
+            __atomic_store_n(read_word(g, g->local, c->l, s), HEP_RING_VAL(e, q + 1),
+                             __ATOMIC_RELEASE);
+        }
+        did = 1;
+    }
+    return did;
+}
+
+/* Pack every chunk whose position is free; 1 if anything moved. */
+static int pack_step(hep_group *g, const hep_dispatch_args *a, const view *mine, uint64_t e,
+                     ring_peer *rp)
+{
+    const int P = g->plan.ring, N = g->N;
+    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_D_ATTN_FLAGS);
+    const size_t B = ring_base(g);
+    int did = 0;
+    for (int m = 0; m < N; m++) {
+        ring_peer *d = &rp[m];
+        if (m == g->node)
+            continue;
+        while (d->next < d->nk &&
+               (d->next < P || chunks_in(load_acq(&words[B + (size_t)m]), e) >= d->next - P + 1)) {
+            pack_chunk(g, a, mine, d, d->next);
+            __atomic_store_n(&words[src_word(g, m, d->next % P)], HEP_RING_VAL(e, d->next + 1),
+                             __ATOMIC_RELEASE);
+            d->next++;
+            did = 1;
+        }
+        if (d->next == d->nk && !d->final) {
+            __atomic_store_n(&words[N + m], e, __ATOMIC_RELEASE); /* count and flag ready */
+            d->final = 1;
+            did = 1;
+        }
+    }
+    return did;
+}
+
+/* As the owner of the rings that receive from the other nodes: free each chunk every
+ * node-mate has read. Returns 1 if a credit moved; *short_of: a slot whose credits are not
+ * all given yet (or -1), *lagger the node-mate holding it back. */
+static int credit_step(hep_group *g, uint64_t e, const ring_peer *rp, int *short_of, int *lagger)
+{
+    uint64_t *in = (uint64_t *)hep_my_buf(g, HEP_BUF_D_GROUP_FLAGS);
+    const size_t B = ring_base(g);
+    int did = 0;
+    *short_of = -1;
+    for (int m = 0; m < g->N; m++) {
+        const int s = rp[m].j, need = rp[m].in_nk - g->plan.ring;
+        int least = 1 << 30, who = 0;
+        if (m == g->node || need <= 0 || g->hold_credits)
+            continue;
+        for (int r = 0; r < g->R; r++) {
+            int k = chunks_in(load_acq(read_word(g, r, g->local, s)), e);
+            if (k < least)
+                least = k, who = r;
+        }
+        if (chunks_in(in[B + (size_t)g->N + (size_t)s], e) < least) {
+            __atomic_store_n(&in[B + (size_t)g->N + (size_t)s], HEP_RING_VAL(e, least),
+                             __ATOMIC_RELEASE);
+            did = 1;
+        }
+        if (chunks_in(in[B + (size_t)g->N + (size_t)s], e) < need && *short_of < 0)
+            *short_of = m, *lagger = who;
+    }
+    return did;
+}
+
+static int dispatch_loop(hep_group *g, const hep_dispatch_args *a, uint64_t e, ring_peer *rp,
+                         pull *c, int *tpe, int record_slots, hep_handle *h)
+{
+    const double limit = (double)hep_env_get()->timeout_ms;
+    double last = now_ms();
+    const size_t B = ring_base(g);
+    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_D_ATTN_FLAGS);
+    view mine;
+    char m[1024];
+    own_view(g, g->local, &mine);
+    for (;;) {
+        int wait_q, short_of, lagger = 0, packing = -1, moved;
+        moved = pack_step(g, a, &mine, e, rp);
+        moved |= pull_step(g, e, c, tpe, record_slots, h, &wait_q);
+        moved |= credit_step(g, e, rp, &short_of, &lagger);
+        for (int n = 0; n < g->N && packing < 0; n++)
+            if (n != g->node && !rp[n].final)
+                packing = n;
+        if (packing < 0 && c->ns >= g->N && short_of < 0)
+            return HEP_OK;
+        if (moved) {
+            last = now_ms();
+            continue;
+        }
+        if (now_ms() - last <= limit) {
+            sched_yield();
+            continue;
+        }
+        if (packing >= 0) {
+            const ring_peer *d = &rp[packing];
+            snprintf(m, sizeof(m),
+                     "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for a credit from rank %d: chunk %d "
+                     "of its dispatch rows for node %d needs chunk %d freed, expected %llu, saw "
+                     "%llu: rank %d frees a chunk of its ring once every rank of its node read it "
+                     "(a rank of node %d that did not read it is named by its own timeout)",
+                     g->rank, now_ms() - last, d->peer, d->next, d->m, d->next - g->plan.ring,
+                     (unsigned long long)HEP_RING_VAL(e, d->next - g->plan.ring + 1),
+                     (unsigned long long)load_acq(&words[B + (size_t)d->m]), d->peer, d->m);
+        } else if (wait_q >= 0) {
+            const int s = hep_slot_of(c->ns, g->node), from = c->ns * g->R + c->l;
+            const uint64_t *fl = (const uint64_t *)mate_local(g, c->l, HEP_BUF_D_GROUP_FLAGS);
+            snprintf(m, sizeof(m),
+                     "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for chunk %d of the dispatch rows "
+                     "from rank %d (its slot at rank %d): expected %llu, saw %llu: rank %d "
+                     "arrived at call %llu (its counts came) but this chunk did not arrive (it "
+                     "may be waiting for a credit or a rank of its own node: its own timeout "
+                     "names that one)",
+                     g->rank, now_ms() - last, wait_q, from, g->node * g->R + c->l,
+                     (unsigned long long)HEP_RING_VAL(e, wait_q + 1),
+                     (unsigned long long)load_acq(&fl[B + (size_t)s]), from,
+                     (unsigned long long)load_acq(&fl[2 * (size_t)g->N + (size_t)s]));
+        } else {
+            snprintf(m, sizeof(m),
+                     "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for its node-mate rank %d to read "
+                     "the dispatch rows from rank %d in its ring: rank %d did not read them",
+                     g->rank, now_ms() - last, g->node * g->R + lagger,
+                     short_of * g->R + g->local, g->node * g->R + lagger);
+        }
+        return stream_abort(g, HEP_ERR_TIMEOUT, m);
+    }
 }
 
 int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *o)
@@ -577,6 +931,8 @@ int hep_host_dispatch_ex(hep_group *g, const hep_dispatch_args *a0, hep_dispatch
     hep_dispatch_args b;
     const hep_dispatch_args *a = a0;
     view mine;
+    ring_peer *rp;
+    int *lists;
 
     if ((rc = order_same_kind(g, 1)))
         return rc;
@@ -598,26 +954,54 @@ int hep_host_dispatch_ex(hep_group *g, const hep_dispatch_args *a0, hep_dispatch
     mb[HEP_MB_T] = (uint64_t)a->num_tokens;
     mb[HEP_MB_K] = (uint64_t)a->topk;
     mb[HEP_MB_INDEX64] = a->index_type == HEP_INDEX_INT64;
+    rp = calloc((size_t)g->N, sizeof(*rp));
+    lists = malloc(sizeof(int) * (size_t)g->N * (size_t)(a->num_tokens ? a->num_tokens : 1));
+    if (!rp || !lists) {
+        free(rp), free(lists);
+        return hep_fail(HEP_ERR_NOMEM, "dispatch: out of memory");
+    }
+    for (int m = 0; m < g->N; m++) {
+        rp[m].m = m;
+        rp[m].peer = m * g->R + g->local;
+        rp[m].j = hep_slot_of(m, g->node);
+        rp[m].s = hep_slot_of(g->node, m);
+        rp[m].list = lists + (size_t)m * (size_t)(a->num_tokens ? a->num_tokens : 1);
+        rp[m].final = m == g->node;
+    }
     __atomic_store_n(flags_of(g, g->local) + HEP_FLAG_COUNTS_READY, e, __ATOMIC_RELEASE);
-    rc = send_dispatch(g, a, e);
+    rc = g->N > 1 ? dispatch_announce(g, a, e, rp) : HEP_OK;
     if (rc == HEP_OK)
         rc = wait_mates(g, HEP_FLAG_COUNTS_READY, e, "its routing to be published");
+    if (rc == HEP_OK && g->N > 1)
+        rc = wait_counts(g, e, rp);
     if (rc == HEP_OK && g->cfg.max_recv_rows)
         rc = agree_capacity(g, e);
-    if (rc)
-        return rc;
+    if (rc == HEP_OK && h->layout == HEP_LAYOUT_EXPERT_MAJOR) {
+        g->row_experts = malloc(sizeof(int) * (g->plan.max_recv_rows ? g->plan.max_recv_rows : 1) *
+                                (size_t)g->cfg.max_topk);
+        if (!g->row_experts)
+            rc = hep_fail(HEP_ERR_NOMEM, "dispatch: out of memory");
+    }
+    if (rc == HEP_OK && g->N > 1)
+        rc = dispatch_stream(g, e, rp);
     memset(host_counts, 0, (size_t)(El + 1) * sizeof(int));
-    for (int ns = 0; ns < g->N && rc == HEP_OK; ns++)
-        for (int l = 0; l < g->R && rc == HEP_OK; l++) {
-            view v;
-            base[ns * g->R + l] = row;
-            rc = arrived_source_view(g, ns, l, e, &v);
-            for (int i = 0; rc == HEP_OK && i < v.t; i++)
-                if (needs_rank(g, &v, i, g->rank))
-                    receive(g, &v, i, row++, host_counts + 1);
+    if (rc == HEP_OK) {
+        pull c;
+        memset(&c, 0, sizeof(c));
+        rc = dispatch_loop(g, a, e, rp, &c, host_counts + 1, !reuse, h);
+        if (rc == HEP_OK && g->N > 1 && (rc = hep_proxy_wait(g->proxy))) {
+            snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", hep_last_error());
+            g->broken = 1;
         }
-    if (rc)
+        row = c.row;
+    }
+    free(rp);
+    free(lists);
+    if (rc) {
+        free(g->row_experts);
+        g->row_experts = NULL;
         return rc;
+    }
     host_counts[0] = row;
     base[W] = row;
     own_view(g, g->local, &mine);
@@ -627,6 +1011,8 @@ int hep_host_dispatch_ex(hep_group *g, const hep_dispatch_args *a0, hep_dispatch
         copied = permute(g, h, host_counts + 1, x);
         if (copied == (size_t)-1)
             rc = hep_fail(HEP_ERR_NOMEM, "dispatch: out of memory");
+        free(g->row_experts);
+        g->row_experts = NULL;
     } else {
         copied = copy_out(g, row, x);
     }
@@ -708,12 +1094,6 @@ typedef struct combine_ctx {
     float *pout;      /* [E] the current token's probs_out row, or NULL */
 } combine_ctx;
 
-static void ctx_reset(hep_group *g, combine_ctx *c)
-{
-    memset(c->next, 0, sizeof(c->next));
-    memset(c->enext, 0, sizeof(int) * (size_t)g->R * (size_t)g->cfg.experts_per_rank);
-}
-
 /* acc[0..H) += the rows of token i of v (from source rank src) at the node-mates that
  * received it, ascending local rank, and within an expert-major node-mate ascending local
  * expert; the probabilities of those rows into c->pout. */
@@ -757,6 +1137,214 @@ static void add_node_share(hep_group *g, const view *v, int i, int src, combine_
     }
 }
 
+/* Combine across nodes (the rings of "the inter-node rings", with the combine's own
+ * count e): as the peer of each other node m, the partial sums of m's slot here, chunk by
+ * chunk into combine.rdma_intra_node_red_token (position k % P of slot j(m)), each once
+ * m's peer freed chunk k - P; and this rank's own tokens in order, each once the chunks of
+ * its partial sums from every node it needs landed; this rank is the only reader of its
+ * partial-sum rings, so it frees each chunk as soon as it read its last token. */
+typedef struct combine_run {
+    const hep_handle *h;
+    view mine;             /* this rank's recorded routing */
+    ring_peer *rp;
+    combine_ctx *cx;       /* [N]: per other node, its slot's running positions */
+    combine_ctx own;
+    float *acc;
+    const hep_combine_opts *co;
+    void *out;
+    int next_tok;          /* this rank's next token to sum */
+} combine_run;
+
+static int partial_step(hep_group *g, uint64_t e, combine_run *r)
+{
+    const size_t S = g->plan.slot_tokens, H = (size_t)g->cfg.hidden, T = (size_t)g->cfg.max_tokens;
+    const size_t kmax = (size_t)g->cfg.max_topk, B = ring_base(g);
+    const int P = g->plan.ring, C = g->plan.chunk;
+    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_C_OUT_FLAGS);
+    uint16_t *red = (uint16_t *)hep_my_buf(g, HEP_BUF_C_RED_TOKEN);
+    int did = 0;
+    for (int m = 0; m < g->N; m++) {
+        ring_peer *d = &r->rp[m];
+        view v;
+        if (m == g->node)
+            continue;
+        memset(&v, 0, sizeof(v)); /* that slot's routing as the handle's dispatch saw it */
+        v.slot = 1;
+        v.kmax = (int)kmax;
+        v.t = d->cnt;
+        v.ids = r->h->slot_ids + (size_t)m * T * kmax;
+        while (d->next < d->nk &&
+               (d->next < P || chunks_in(load_acq(&words[B + (size_t)m]), e) >= d->next - P + 1)) {
+            const int end = (d->next + 1) * C < d->cnt ? (d->next + 1) * C : d->cnt;
+            for (int k = d->next * C; k < end; k++) {
+                uint16_t *o = red + ((size_t)d->j * S + ring_row(g, (size_t)k)) * H;
+                acc_clear(r->acc, H);
+                add_node_share(g, &v, k, d->peer, &r->cx[m], r->acc);
+                for (size_t c = 0; c < H; c++)
+                    o[c] = f32_bf16(r->acc[c]);
+            }
+            __atomic_store_n(&words[src_word(g, m, d->next % P)], HEP_RING_VAL(e, d->next + 1),
+                             __ATOMIC_RELEASE);
+            d->next++;
+            did = 1;
+        }
+        if (d->next == d->nk && !d->final) {
+            words[m] = (uint64_t)d->cnt;
+            __atomic_store_n(&words[g->N + m], e, __ATOMIC_RELEASE);
+            d->final = 1;
+            did = 1;
+        }
+    }
+    return did;
+}
+
+/* Sum this rank's next tokens whose partial sums all landed; *wait_m: the node it waits for. */
+static int sum_step(hep_group *g, uint64_t e, combine_run *r, int *wait_m)
+{
+    const size_t S = g->plan.slot_tokens, H = (size_t)g->cfg.hidden;
+    const size_t E = (size_t)g->cfg.experts_per_rank * (size_t)g->world, B = ring_base(g);
+    const int C = g->plan.chunk;
+    uint64_t *in = (uint64_t *)hep_my_buf(g, HEP_BUF_C_GROUP_FLAGS);
+    const uint16_t *parts = (const uint16_t *)hep_my_buf(g, HEP_BUF_C_GROUP_TOKEN);
+    int did = 0;
+    *wait_m = -1;
+    for (; r->next_tok < g->last_t; r->next_tok++) {
+        const int i = r->next_tok;
+        uint16_t *out = (uint16_t *)r->out + (size_t)i * H;
+        for (int m = 0; m < g->N; m++)
+            if (m != g->node && needs_node(g, &r->mine, i, m) &&
+                chunks_in(load_acq(&in[B + (size_t)r->rp[m].j]), e) < r->rp[m].got / C + 1) {
+                *wait_m = m;
+                return did;
+            }
+        r->own.pout = r->co->probs_out ? r->co->probs_out + (size_t)i * E : NULL;
+        if (r->own.pout)
+            memset(r->own.pout, 0, E * sizeof(float));
+        acc_clear(r->acc, H);
+        add_node_share(g, &r->mine, i, g->rank, &r->own, r->acc);
+        for (int m = 0; m < g->N; m++) {
+            ring_peer *d = &r->rp[m];
+            const uint16_t *p;
+            if (m == g->node || !needs_node(g, &r->mine, i, m))
+                continue;
+            p = parts + ((size_t)d->j * S + ring_row(g, (size_t)d->got)) * H;
+            for (size_t c = 0; c < H; c++)
+                r->acc[c] += bf16_f32(p[c]);
+            d->got++;
+            if ((d->got % C == 0 || d->got == d->in_cnt) && !g->hold_credits)
+                __atomic_store_n(&in[B + (size_t)g->N + (size_t)d->j],
+                                 HEP_RING_VAL(e, (d->got + C - 1) / C), __ATOMIC_RELEASE);
+        }
+        for (size_t c = 0; c < H; c++)
+            out[c] = f32_bf16(r->acc[c]);
+        did = 1;
+    }
+    return did;
+}
+
+/* The batch of the partial sums: each chunk's rows then its flag, each slot's count and
+ * flag, then the credits this rank owes for the partial sums it receives. */
+static int combine_stream(hep_group *g, uint64_t e, const ring_peer *rp)
+{
+    const size_t S = g->plan.slot_tokens, rb2 = (size_t)g->cfg.hidden * 2;
+    const size_t C = (size_t)g->plan.chunk, B = ring_base(g);
+    const int P = g->plan.ring, N = g->N;
+    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_C_OUT_FLAGS);
+    uint64_t *in = (uint64_t *)hep_my_buf(g, HEP_BUF_C_GROUP_FLAGS);
+    size_t total = 0;
+    hep_proxy_chunk *ch;
+    int n = 0, rc;
+    for (int m = 0; m < N; m++)
+        if (m != g->node)
+            total += (size_t)rp[m].nk * 2 + 1 + (size_t)rp[m].in_nk;
+    ch = malloc(sizeof(*ch) * (total ? total : 1));
+    if (!ch)
+        return hep_fail(HEP_ERR_NOMEM, "combine: out of memory");
+    for (int m = 0; m < N; m++) {
+        const ring_peer *d = &rp[m];
+        if (m == g->node)
+            continue;
+        for (int k = 0; k < d->nk; k++) {
+            const size_t p = (size_t)(k % P), left = (size_t)(d->cnt - k * (int)C);
+            const uint64_t want = HEP_RING_VAL(e, k + 1);
+            ch[n] = hep_wire_chunk(g, d->peer, HEP_BUF_C_RED_TOKEN, ((size_t)d->j * S + p * C) * rb2,
+                                   HEP_BUF_C_GROUP_TOKEN, ((size_t)d->s * S + p * C) * rb2,
+                                   (left < C ? left : C) * rb2, words + src_word(g, m, (int)p));
+            ch[n++].want = want;
+            ch[n++] = hep_wire_flag(g, d->peer, HEP_BUF_C_OUT_FLAGS, src_word(g, m, (int)p),
+                                    HEP_BUF_C_GROUP_FLAGS, B + (size_t)d->s, want);
+        }
+        ch[n++] = hep_wire_count_then_flag(g, d->peer, HEP_BUF_C_OUT_FLAGS, HEP_BUF_C_GROUP_FLAGS,
+                                           m, d->s, words + N + m);
+    }
+    for (int m = 0; m < N; m++) /* after all data: a flag never waits behind a credit */
+        for (int k = 0; m != g->node && !g->hold_credits && k < rp[m].in_nk - P; k++) {
+            ch[n] = hep_wire_chunk(g, rp[m].peer, HEP_BUF_C_GROUP_FLAGS,
+                                   (B + (size_t)N + (size_t)rp[m].j) * 8, HEP_BUF_C_OUT_FLAGS,
+                                   (B + (size_t)g->node) * 8, 8, in + B + N + rp[m].j);
+            ch[n++].want = HEP_RING_VAL(e, k + 1);
+        }
+    rc = hep_proxy_submit(g->proxy, ch, n, e);
+    free(ch);
+    return rc;
+}
+
+static int combine_loop(hep_group *g, uint64_t e, combine_run *r)
+{
+    const double limit = (double)hep_env_get()->timeout_ms;
+    const size_t B = ring_base(g);
+    double last = now_ms();
+    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_C_OUT_FLAGS);
+    const uint64_t *in = (const uint64_t *)hep_my_buf(g, HEP_BUF_C_GROUP_FLAGS);
+    char msg[1024];
+    for (;;) {
+        int wait_m, packing = -1, moved = partial_step(g, e, r);
+        moved |= sum_step(g, e, r, &wait_m);
+        for (int m = 0; m < g->N && packing < 0; m++)
+            if (m != g->node && !r->rp[m].final)
+                packing = m;
+        if (packing < 0 && r->next_tok >= g->last_t)
+            return HEP_OK;
+        if (moved) {
+            last = now_ms();
+            continue;
+        }
+        if (now_ms() - last <= limit) {
+            sched_yield();
+            continue;
+        }
+        if (packing >= 0) {
+            const ring_peer *d = &r->rp[packing];
+            snprintf(msg, sizeof(msg),
+                     "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for a credit from rank %d: chunk %d "
+                     "of its partial sums for node %d needs chunk %d freed, expected %llu, saw "
+                     "%llu: rank %d did not free it",
+                     g->rank, now_ms() - last, d->peer, d->next, d->m, d->next - g->plan.ring,
+                     (unsigned long long)HEP_RING_VAL(e, d->next - g->plan.ring + 1),
+                     (unsigned long long)load_acq(&words[B + (size_t)d->m]), d->peer);
+        } else {
+            const ring_peer *d = &r->rp[wait_m];
+            const uint64_t came = load_acq(&in[2 * (size_t)g->N + (size_t)d->j]);
+            char why[256];
+            if (came >= e)
+                snprintf(why, sizeof(why),
+                         "rank %d arrived at call %llu (its arrival word came over the network) "
+                         "but this chunk did not arrive (it may be waiting for a rank of its own "
+                         "node: its own timeout names that one)",
+                         d->peer, (unsigned long long)came);
+            else
+                snprintf(why, sizeof(why), "rank %d did not arrive", d->peer);
+            snprintf(msg, sizeof(msg),
+                     "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for chunk %d of its partial sums "
+                     "from rank %d: expected %llu, saw %llu: %s",
+                     g->rank, now_ms() - last, d->got / g->plan.chunk, d->peer,
+                     (unsigned long long)HEP_RING_VAL(e, d->got / g->plan.chunk + 1),
+                     (unsigned long long)load_acq(&in[B + (size_t)d->j]), why);
+        }
+        return stream_abort(g, HEP_ERR_TIMEOUT, msg);
+    }
+}
+
 int hep_host_combine(hep_group *g, const hep_combine_args *a)
 {
     hep_combine_opts c;
@@ -767,31 +1355,26 @@ int hep_host_combine(hep_group *g, const hep_combine_args *a)
 
 int hep_host_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_opts *co)
 {
-    const size_t T = (size_t)g->cfg.max_tokens, H = (size_t)g->cfg.hidden, rb2 = H * 2;
-    const size_t E = (size_t)g->cfg.experts_per_rank * (size_t)g->world;
-    const size_t kmax = (size_t)g->cfg.max_topk;
+    const size_t H = (size_t)g->cfg.hidden, kmax = (size_t)g->cfg.max_topk;
     const hep_handle *h = co->handle;
     const uint64_t e = ++g->combine_epoch; /* combines repeat a dispatch: their own count */
     uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_C_OUT_FLAGS);
-    const uint64_t *in = (const uint64_t *)hep_my_buf(g, HEP_BUF_C_GROUP_FLAGS);
-    uint16_t *red = (uint16_t *)hep_my_buf(g, HEP_BUF_C_RED_TOKEN);
-    const uint16_t *parts = (const uint16_t *)hep_my_buf(g, HEP_BUF_C_GROUP_TOKEN);
     float *acc = malloc(sizeof(float) * H);
-    hep_proxy_chunk *ch = malloc(sizeof(hep_proxy_chunk) * 3 * (size_t)g->N);
-    int *knode = calloc((size_t)g->N, sizeof(int));
-    combine_ctx cx;
+    hep_proxy_chunk *ch = malloc(sizeof(hep_proxy_chunk) * (size_t)g->N);
+    ring_peer *rp = calloc((size_t)g->N, sizeof(*rp));
+    combine_ctx cx, *cxs = calloc((size_t)g->N, sizeof(*cxs));
+    int *enexts = calloc((size_t)g->N * (size_t)g->R * (size_t)g->cfg.experts_per_rank, sizeof(int));
     int n = 0, rc;
-    view mine;
     uint64_t *mb = mailbox_of(g, g->local);
 
     memset(&cx, 0, sizeof(cx));
     if ((rc = order_same_kind(g, 2))) {
-        free(acc), free(ch), free(knode);
+        free(acc), free(ch), free(rp), free(cxs), free(enexts);
         return rc;
     }
     cx.enext = calloc((size_t)g->R * (size_t)g->cfg.experts_per_rank, sizeof(int));
-    if (!acc || !ch || !knode || !cx.enext) {
-        free(acc), free(ch), free(knode), free(cx.enext);
+    if (!acc || !ch || !rp || !cxs || !enexts || !cx.enext) {
+        free(acc), free(ch), free(rp), free(cxs), free(enexts), free(cx.enext);
         return hep_fail(HEP_ERR_NOMEM, "combine: out of memory");
     }
     /* the handle's layout where node-mates read it (the group's buffers hold the last
@@ -827,67 +1410,44 @@ int hep_host_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combi
     }
     if (rc == HEP_OK)
         rc = wait_mates(g, HEP_FLAG_COMBINE_READY, e, "its expert outputs");
-    /* 1. as the peer of every other node: its tokens' partial sums over this node */
-    for (int m = 0; rc == HEP_OK && m < g->N; m++) {
-        int src = m * g->R + g->local, s = hep_slot_of(m, g->node);
-        view v;
-        if (m == g->node)
-            continue;
-        memset(&v, 0, sizeof(v)); /* that slot's routing as the handle's dispatch saw it */
-        v.slot = 1;
-        v.kmax = (int)kmax;
-        v.t = h->slot_t[m];
-        v.ids = h->slot_ids + (size_t)m * T * kmax;
-        ctx_reset(g, &cx);
-        for (int k = 0; k < v.t; k++) {
-            acc_clear(acc, H);
-            add_node_share(g, &v, k, src, &cx, acc);
-            for (size_t c = 0; c < H; c++)
-                red[((size_t)s * T + (size_t)k) * H + c] = f32_bf16(acc[c]);
-        }
-        words[m] = (uint64_t)v.t;
-        __atomic_store_n(&words[g->N + m], e, __ATOMIC_RELEASE);
-        if (v.t)
-            ch[n++] = hep_wire_chunk(g, src, HEP_BUF_C_RED_TOKEN, (size_t)s * T * rb2, HEP_BUF_C_GROUP_TOKEN,
-                            (size_t)hep_slot_of(g->node, m) * T * rb2, (size_t)v.t * rb2,
-                            words + g->N + m);
-        ch[n++] = hep_wire_count_then_flag(g, src, HEP_BUF_C_OUT_FLAGS, HEP_BUF_C_GROUP_FLAGS, m,
-                                  hep_slot_of(g->node, m), words + g->N + m);
-    }
-    if (rc == HEP_OK && g->N > 1)
-        rc = hep_proxy_submit(g->proxy, ch, n, e);
-    if (rc == HEP_OK && g->N > 1)
-        rc = hep_proxy_wait(g->proxy);
-    /* 2. my tokens: my node's share, then the other nodes' partial sums in node order */
-    for (int m = 0; rc == HEP_OK && m < g->N; m++)
-        if (m != g->node)
-            rc = wait_ge(g, (volatile uint64_t *)&in[g->N + hep_slot_of(m, g->node)], e,
-                         m * g->R + g->local, "its partial sums",
-                         &in[2 * g->N + hep_slot_of(m, g->node)]);
-    recorded_view(g, &mine);
-    ctx_reset(g, &cx);
-    for (int i = 0; rc == HEP_OK && i < g->last_t; i++) {
-        uint16_t *out = (uint16_t *)a->out + (size_t)i * H;
-        cx.pout = co->probs_out ? co->probs_out + (size_t)i * E : NULL;
-        if (cx.pout)
-            memset(cx.pout, 0, E * sizeof(float));
-        acc_clear(acc, H);
-        add_node_share(g, &mine, i, g->rank, &cx, acc);
+    /* 1. the rings: partial sums out as the peer of every other node, this rank's own
+     * tokens (its node's share, then the other nodes' partial sums in node order) in */
+    if (rc == HEP_OK) {
+        combine_run r;
+        memset(&r, 0, sizeof(r));
+        r.h = h;
+        r.rp = rp;
+        r.cx = cxs;
+        r.own = cx;
+        r.acc = acc;
+        r.co = co;
+        r.out = a->out;
+        recorded_view(g, &r.mine);
         for (int m = 0; m < g->N; m++) {
-            const uint16_t *p;
-            if (m == g->node || !needs_node(g, &mine, i, m))
+            rp[m].m = m;
+            rp[m].peer = m * g->R + g->local;
+            rp[m].j = hep_slot_of(m, g->node);
+            rp[m].s = hep_slot_of(g->node, m);
+            rp[m].final = m == g->node;
+            if (m == g->node)
                 continue;
-            p = parts + ((size_t)hep_slot_of(m, g->node) * T + (size_t)knode[m]++) * H;
-            for (size_t c = 0; c < H; c++)
-                acc[c] += bf16_f32(p[c]);
+            rp[m].cnt = h->slot_t[m];
+            rp[m].nk = chunks_of(g, rp[m].cnt);
+            for (int i = 0; i < g->last_t; i++)
+                rp[m].in_cnt += needs_node(g, &r.mine, i, m);
+            rp[m].in_nk = chunks_of(g, rp[m].in_cnt);
+            cxs[m].enext = enexts + (size_t)m * (size_t)g->R * (size_t)g->cfg.experts_per_rank;
         }
-        for (size_t c = 0; c < H; c++)
-            out[c] = f32_bf16(acc[c]);
+        if (g->N > 1)
+            rc = combine_stream(g, e, rp);
+        if (rc == HEP_OK)
+            rc = combine_loop(g, e, &r);
+        if (rc == HEP_OK && g->N > 1 && (rc = hep_proxy_wait(g->proxy))) {
+            snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", hep_last_error());
+            g->broken = 1;
+        }
     }
-    free(acc);
-    free(ch);
-    free(knode);
-    free(cx.enext);
+    free(acc), free(ch), free(rp), free(cxs), free(enexts), free(cx.enext);
     if (rc)
         return rc;
     __atomic_store_n(flags_of(g, g->local) + DONE_COMBINE, e, __ATOMIC_RELEASE);
