@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call. Expects the binaries built
 # by bench/gpu_build.sh in .gpu/ (carried with the call). Full logs go to $OUT.
-# Usage: bench/gpu_check.sh [all|test|san|bench|sweep|nodes|variants|python|stress]...  (several modes run in order;
+# Usage: bench/gpu_check.sh [all|test|san|bench|sweep|nodes|variants|python|mpi|stress]...  (several modes run in order;
 #   BENCH_ARGS adds options to every bench; SWEEP_SMS the SM counts of `sweep`)
 #   test: the GPU tests; san: compute-sanitizer memcheck and racecheck on small cases
 #   sweep: one rank (E_l = 8, K = 8) and eight ranks (bench defaults) across SM counts
 #   nodes: the benches of 2 x 4 and 4 x 2 virtual nodes over the loopback NIC
 #   variants: the benches of each kernel variant built by bench/gpu_variants.sh
-#   python: the Python package's GPU run (python/tests/gpu_run.sh, 8 processes)
+#   python: the Python package's GPU run (python/tests/gpu_run.sh, 8 processes under torchrun,
+#     with and without MPS; its summary table at the end)
+#   mpi: one process per rank under mpirun -np 8 (bench/gpu_mpi.sh: builds libhybridep_mpi
+#     and tests/test_gpu_mpi.c there with mpicc; correctness vs the host backend, bench, a
+#     missing rank, 2 x 4 nodes across processes; with and without MPS)
 #   stress: the inter-node stress (tests/stress_internode.c) on the GPU: 2 x 2, 2 x 4, 4 x 2
 #     virtual nodes over the loopback NIC, STRESS_CALLS (10000) calls a shape within
 #     STRESS_SECONDS (150) a shape, with HEP_DEBUG_JITTER_US=STRESS_JITTER_US (20), then
@@ -91,11 +95,19 @@ if want nodes; then
     done
   } 2>&1 | tee "$OUT/bench_nodes.txt" | grep -vE '^\[bench\]'
 fi
+if want mpi; then
+  step "mpirun -np 8: the GPU backend, one process per rank (CUDA IPC), with and without MPS"
+  timeout ${MPI_SCRIPT_TIMEOUT:-560} bash bench/gpu_mpi.sh > "$OUT/mpi.txt" 2>&1
+  echo "gpu_mpi.sh exit: $?"
+  sed -n '/^=== mpirun summary/,$p' "$OUT/mpi.txt"
+  grep -q '^=== mpirun summary' "$OUT/mpi.txt" || tail -30 "$OUT/mpi.txt"
+fi
 if want python; then
   step "python package on the GPU (8 processes, with and without MPS)"
   HEP_BUILD_DIR=.gpu timeout ${PY_TIMEOUT:-560} bash python/tests/gpu_run.sh > "$OUT/python.txt" 2>&1
   echo "gpu_run.sh exit: $?"
-  grep -E '^==|passed|failed|skipped|Error|error' "$OUT/python.txt" | tail -40
+  sed -n '/^=== python summary/,$p' "$OUT/python.txt"
+  grep -q '^=== python summary' "$OUT/python.txt" || tail -30 "$OUT/python.txt"
 fi
 if named stress; then
   {
