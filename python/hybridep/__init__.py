@@ -5,7 +5,8 @@ torch version. `Buffer` is one EP group over a torch.distributed group; `autogra
 dispatch and combine as each other's backward; `compat.HybridEPBuffer` takes HybridEP's
 constructor and call signatures."""
 from ._lib import HybridEPError, HybridEPWarning, path as library_path
-from .buffer import Buffer, Handle
+from .buffer import Buffer, Handle, PermuteHandle, ThreadWorld
 
-__all__ = ["Buffer", "Handle", "HybridEPError", "HybridEPWarning", "library_path"]
+__all__ = ["Buffer", "Handle", "PermuteHandle", "ThreadWorld", "HybridEPError",
+           "HybridEPWarning", "library_path"]
 __version__ = "0.1.0"

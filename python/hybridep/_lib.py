@@ -26,6 +26,9 @@ HEP_DTYPE_BF16, HEP_DTYPE_FP8_E4M3 = 0, 1
 HEP_BACKEND_GPU, HEP_BACKEND_HOST = 0, 1
 HEP_INDEX_INT32, HEP_INDEX_INT64 = 0, 1
 HEP_ASYNC = 1
+HEP_REUSE_LAYOUT = 2
+HEP_LAYOUT_RANK_MAJOR, HEP_LAYOUT_EXPERT_MAJOR = 0, 1
+HEP_MAX_PAD_MULTIPLE = 1024
 HEP_FP8_BLOCK = 128
 
 
@@ -93,6 +96,23 @@ class CombineArgs(ctypes.Structure):
                 ("out", ctypes.c_void_p), ("stream", ctypes.c_void_p), ("flags", ctypes.c_uint)]
 
 
+class DispatchOpts(ctypes.Structure):
+    """hep_dispatch_opts (hybridep.h, the training API)."""
+    _fields_ = [("handle", ctypes.c_void_p), ("layout", ctypes.c_int),
+                ("pad_multiple", ctypes.c_int), ("num_permuted_tokens", ctypes.c_int),
+                ("recv_tokens", ctypes.c_void_p), ("recv_probs", ctypes.c_void_p),
+                ("recv_scales", ctypes.c_void_p), ("num_permuted", ctypes.c_int),
+                ("overflow", ctypes.c_int), ("overflow_rows", ctypes.c_int),
+                ("copy_bytes", ctypes.c_size_t),
+                ("tokens_per_expert", ctypes.POINTER(ctypes.c_int64))]
+
+
+class CombineOpts(ctypes.Structure):
+    """hep_combine_opts."""
+    _fields_ = [("handle", ctypes.c_void_p), ("probs_in", ctypes.c_void_p),
+                ("probs_out", ctypes.c_void_p)]
+
+
 def _candidates():
     for name in ("libhybridep.so", "libhybridep.so.0"):
         p = os.path.join(_HERE, name)
@@ -138,6 +158,14 @@ _declare("hep_group_get_info", ctypes.c_int, ctypes.c_void_p, P(GroupInfo))
 _declare("hep_dispatch", ctypes.c_int, ctypes.c_void_p, P(DispatchArgs), P(DispatchResult))
 _declare("hep_combine", ctypes.c_int, ctypes.c_void_p, P(CombineArgs))
 _declare("hep_combine_input", ctypes.c_void_p, ctypes.c_void_p)
+_declare("hep_handle_create", ctypes.c_int, ctypes.c_void_p, P(ctypes.c_void_p))
+_declare("hep_handle_destroy", None, ctypes.c_void_p)
+_declare("hep_dispatch_ex", ctypes.c_int, ctypes.c_void_p, P(DispatchArgs), P(DispatchOpts),
+         P(DispatchResult))
+_declare("hep_combine_ex", ctypes.c_int, ctypes.c_void_p, P(CombineArgs), P(CombineOpts))
+_declare("hep_inproc_world_create", ctypes.c_int, ctypes.c_int, P(ctypes.c_void_p))
+_declare("hep_inproc_bootstrap", ctypes.c_int, ctypes.c_void_p, ctypes.c_int, P(Bootstrap))
+_declare("hep_inproc_world_destroy", None, ctypes.c_void_p)
 _declare("hep_group_sync", ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 
 # Setting the error message from a bootstrap callback: hep_set_last_error(status, fmt, ...)
