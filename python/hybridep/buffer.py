@@ -52,17 +52,24 @@ class Handle:
     autograd backward)."""
 
     __slots__ = ("buffer", "id", "num_tokens", "num_recv", "topk_idx", "topk_weights",
-                 "overflow", "backward_handle", "__weakref__")
+                 "backward_handle", "__weakref__")
 
-    def __init__(self, buffer, hid, t, num_recv, topk_idx, topk_weights, overflow=None):
+    def __init__(self, buffer, hid, t, num_recv, topk_idx, topk_weights):
         self.buffer = buffer
         self.id = hid
         self.num_tokens = t
         self.num_recv = num_recv
         self.topk_idx = topk_idx
         self.topk_weights = topk_weights
-        self.overflow = overflow
         self.backward_handle = None
+
+    @property
+    def overflow(self):
+        """no_sync: a device bool tensor (more rows arrived than recv_budget), computed when
+        read (no device work in the call itself); None otherwise."""
+        if not isinstance(self.num_recv, torch.Tensor):
+            return None
+        return self.num_recv[0] > self.buffer.recv_budget
 
 
 class PermuteHandle:
@@ -361,8 +368,7 @@ class Buffer:
         if self.no_sync:
             n = self.recv_budget
             num_recv = v["num_recv"].clone() if copy else v["num_recv"]
-            h = Handle(self, res.handle, t, num_recv, topk_idx, topk_weights,
-                       overflow=num_recv[0] > n)
+            h = Handle(self, res.handle, t, num_recv, topk_idx, topk_weights)
             tpe = v["tpe"].clone() if copy else v["tpe"]
         else:
             n = res.num_recv
@@ -545,7 +551,10 @@ class Buffer:
             probs = probs.contiguous()
             pout = torch.empty((t, self.num_local_experts * self.world), dtype=torch.float32,
                                device=self.device)
-            co.probs_in, co.probs_out = probs.data_ptr(), pout.data_ptr()
+            # no rows or no tokens: still valid addresses (NULL means "no probabilities")
+            self._pdummy = torch.zeros((1,), dtype=torch.float32, device=self.device)
+            co.probs_in = probs.data_ptr() if rows else self._pdummy.data_ptr()
+            co.probs_out = pout.data_ptr() if t else self._pdummy.data_ptr()
         else:
             co.probs_in = co.probs_out = None
         c = self._cargs

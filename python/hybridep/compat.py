@@ -1,14 +1,16 @@
 """HybridEPBuffer: HybridEP's constructor and call signatures over hybridep.Buffer, so code
 written against deep_ep.HybridEPBuffer runs by changing the import.
 
-Differences, where our contents cannot be HybridEP's: the handle tuple holds our Handle
-and the tokens per rank; dispatch returns no probabilities through combine (combine's
-probs argument needs the training-API issue); dispatch_with_permute and
-combine_with_unpermute (the expert-major layout) raise NotImplementedError until that
-issue lands."""
+Differences, where our contents cannot be HybridEP's: the handle tuples hold our Handle
+(dispatch) or PermuteHandle (dispatch_with_permute) and the tokens of this rank; combine
+(rank-major) takes no probs (use the permute pair for the router gradient);
+dispatch_with_permute and combine_with_unpermute go through the C training API
+(hep_dispatch_ex with HEP_LAYOUT_EXPERT_MAJOR, hep_combine_ex with the probabilities),
+which raises HybridEPError (HEP_ERR_UNAVAILABLE, the library's message) where a backend
+lacks it: the GPU kernels until they implement it, the host backend across processes."""
 import torch
 
-from .buffer import Buffer, Handle
+from .buffer import Buffer, Handle, PermuteHandle, _ThreadRank
 
 TRAINING_API_ISSUE = ("the training-API issue (13: reusable handles, expert-major layout, "
                       "probabilities through combine)")
@@ -32,8 +34,11 @@ class HybridEPBuffer:
                  max_topk=None):
         import torch.distributed as dist
         self.group = group
-        self.group_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        if isinstance(group, _ThreadRank):  # ranks as threads of one process
+            self.group_size, self.rank = group.size, group.rank
+        else:
+            self.group_size = dist.get_world_size(group)
+            self.rank = dist.get_rank(group)
         if backend is None:
             backend = "gpu" if torch.cuda.is_available() else "host"
         # one SM count for both kernels in hybridep (the preprocessing is fused)
@@ -76,8 +81,9 @@ class HybridEPBuffer:
         if handle is None:
             raise ValueError("combine needs the handle of its dispatch")
         if probs is not None:
-            raise NotImplementedError("combine with probs (probabilities through combine) "
-                                      "follows " + TRAINING_API_ISSUE)
+            raise NotImplementedError("combine with probs: the rank-major combine carries no "
+                                      "probabilities here; dispatch_with_permute and "
+                                      "combine_with_unpermute carry them (" + TRAINING_API_ISSUE + ")")
         return self._buf.combine(hidden, handle[0]), None
 
     def dispatch_with_permute(self, *, hidden, topk_idx=None, topk_weights=None,
@@ -85,15 +91,34 @@ class HybridEPBuffer:
                               routing_map=None, probs=None, scaling_factor=None,
                               num_dispatched_tokens=None, num_permuted_tokens=None,
                               pad_multiple=None, handle=None, use_host_meta=True):
-        raise NotImplementedError("hybridep: dispatch_with_permute (expert-major layout) "
-                                  "follows " + TRAINING_API_ISSUE +
-                                  "; use dispatch/combine (rank-major rows) meanwhile")
+        """-> (dispatched_token [rows, H], dispatched_probs [rows] float32 (one a row),
+        dispatched_scaling_factor, tokens_per_expert int64 [E_l] (padded), handle). Routing
+        by topk_idx/topk_weights or routing_map/probs [t, E]; with a handle and no routing,
+        that layout again (the backward of combine_with_unpermute)."""
+        if num_of_experts_per_rank not in (None, self.num_of_experts_per_rank):
+            raise ValueError("num_of_experts_per_rank = %s, but this buffer has %d" % (
+                num_of_experts_per_rank, self.num_of_experts_per_rank))
+        ph = handle[0] if handle is not None else None
+        if ph is not None and topk_idx is None and routing_map is None:
+            tok, p, sf, tpe, ph = self._buf.dispatch_with_permute(hidden, handle=ph)
+            return tok, p, sf, tpe, (ph, hidden.shape[0])
+        if topk_idx is None:
+            if routing_map is None:
+                raise ValueError("dispatch_with_permute needs topk_idx, routing_map or a handle")
+            topk_idx, topk_weights = _routing_to_topk(routing_map, probs)
+        elif topk_weights is None:
+            topk_weights = torch.ones(topk_idx.shape, dtype=torch.float32, device=topk_idx.device)
+        tok, p, sf, tpe, ph = self._buf.dispatch_with_permute(
+            hidden, topk_idx, topk_weights.float().contiguous(), scaling_factor=scaling_factor,
+            pad_multiple=pad_multiple or 1, num_permuted_tokens=num_permuted_tokens, handle=ph)
+        return tok, p, sf, tpe, (ph, hidden.shape[0])
 
     def combine_with_unpermute(self, *, hidden, probs=None, handle=None, pad_multiple=None,
                                num_dispatched_tokens=None, **kwargs):
-        raise NotImplementedError("hybridep: combine_with_unpermute (expert-major layout) "
-                                  "follows " + TRAINING_API_ISSUE +
-                                  "; use dispatch/combine (rank-major rows) meanwhile")
+        """-> (combined_token [t, H], combined_probs [t, E] float32 or None)."""
+        if handle is None or not isinstance(handle[0], PermuteHandle):
+            raise ValueError("combine_with_unpermute needs the handle of a dispatch_with_permute")
+        return self._buf.combine_with_unpermute(hidden, handle[0], probs=probs)
 
     def close(self):
         self._buf.close()

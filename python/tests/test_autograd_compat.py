@@ -122,12 +122,13 @@ def _compat(rank, world):
     tokens2, _, _, handle2 = b.dispatch(hidden=hidden, handle=handle)
     assert torch.equal(tokens2, tokens)
     b.combine(hidden=tokens2, handle=handle2)
-    with pytest.raises(NotImplementedError, match="training-API issue"):
+    # across processes the host backend has no expert-major layout yet: the library says so
+    with pytest.raises(hybridep.HybridEPError, match="across processes"):
         b.dispatch_with_permute(hidden=hidden, routing_map=routing_map, probs=dense,
                                 num_of_experts=E, pad_multiple=16)
-    with pytest.raises(NotImplementedError, match="training-API issue"):
+    with pytest.raises(ValueError, match="handle of a dispatch_with_permute"):
         b.combine_with_unpermute(hidden=tokens, handle=handle)
-    with pytest.raises(NotImplementedError, match="training-API issue"):
+    with pytest.raises(NotImplementedError, match="combine_with_unpermute carry them"):
         b.combine(hidden=tokens, probs=probs, handle=handle)
     b.close()
     return True

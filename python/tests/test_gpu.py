@@ -108,3 +108,28 @@ def test_custom_ops_need_torch_2_4():
     else:
         pytest.skip(ops.WHY_NOT + ": the custom ops are not registered (tested on the GPU "
                     "machine's torch)")
+
+
+def _permute_on_gpu(rank, world):
+    from test_permute import expected_permute, EL as PEL, H as PH, K as PK, T as PT
+    torch.cuda.set_device(0)
+    buf = hybridep.Buffer(None, PH, PT, PEL, backend="gpu", num_sms=4, max_topk=PK)
+    all_in = [ref.inputs(61, r, PT, PH, PEL * world, PK) for r in range(world)]
+    x, i, w, _ = all_in[rank]
+    try:
+        tok, pr, _, tpe, h = buf.dispatch_with_permute(x.cuda(), i.cuda(), w.cuda(), pad_multiple=16)
+    except hybridep.HybridEPError as e:  # until the kernels implement the training API
+        assert e.status_name == "HEP_ERR_UNAVAILABLE", e
+        assert "GPU kernels" in e.message, e.message
+        buf.close()
+        return "unavailable: " + e.message
+    etok, epr, etpe, _ = expected_permute(all_in, rank, 16, h.budget)
+    assert torch.equal(tpe, etpe) and torch.equal(tok.cpu(), etok) and torch.equal(pr.cpu(), epr)
+    buf.close()
+    return "ran"
+
+
+@needs_gpu
+def test_dispatch_with_permute_on_the_gpu_runs_or_raises_the_library_message():
+    out = run_ranks(_permute_on_gpu, WORLD, timeout=300)
+    print("dispatch_with_permute on the GPU:", out[0])
