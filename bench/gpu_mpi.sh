@@ -43,10 +43,11 @@ mkdir -p "$B/mpi"
 ln -sf "$B/lib/libhybridep.so.0.1" "$B/mpi/libhybridep.so"
 CF=(-std=c11 -O2 -D_POSIX_C_SOURCE=200809L -Wall -Wextra -Iinclude -I"$CUDA_HOME/include")
 if ! "$MPICC" "${CF[@]}" -fPIC -shared bindings/mpi/bootstrap_mpi.c -L"$B/mpi" -lhybridep \
-        -Wl,-soname,libhybridep_mpi.so.0.1 -o "$B/mpi/libhybridep_mpi.so" > "$OUT/mpi_build.txt" 2>&1 ||
+        -Wl,-soname,libhybridep_mpi.so.0.1 -o "$B/mpi/libhybridep_mpi.so.0.1" > "$OUT/mpi_build.txt" 2>&1 ||
+   ! ln -sf libhybridep_mpi.so.0.1 "$B/mpi/libhybridep_mpi.so" ||
    ! "$MPICC" "${CF[@]}" tests/test_gpu_mpi.c -L"$B/mpi" -lhybridep_mpi -lhybridep \
         -L"$CUDA_HOME/lib64" -lcudart_static -ldl -lrt -lpthread -lm \
-        -Wl,-rpath,"$B/mpi" -o "$B/mpi/test_gpu_mpi" >> "$OUT/mpi_build.txt" 2>&1; then
+        -Wl,-rpath,"$B/mpi:$B/lib" -o "$B/mpi/test_gpu_mpi" >> "$OUT/mpi_build.txt" 2>&1; then
     echo "gpu_mpi: the build with $MPICC failed:"; tail -20 "$OUT/mpi_build.txt"
     exit 2
 fi
