@@ -15,6 +15,12 @@
 #    that first one is what the earlier failure looked like (the first multi-process test
 #    failed, the next one in the same session passed), so mps_start makes one client
 #    connect alone first and checks that a server is listed.
+#  - what it was here (the server's log: "Failed to accept new client. Reached maximum
+#    number of device connections"): every client's CUDA_DEVICE_MAX_CONNECTIONS hardware
+#    queues come out of one pool of the server's, and the scripts' 32 (which threads of
+#    one process need, a queue per virtual rank) times 8 clients exhausted it after a few
+#    clients. A process per rank needs few queues: mps_start sets MPS_CLIENT_CONNECTIONS
+#    (default 4) for the clients it serves, mps_stop puts the old value back.
 # The daemon's logs (control.log, server.log) are copied to $OUT by mps_stop.
 
 MPS_OK=0
@@ -26,6 +32,9 @@ mps_start() { # [a command that creates one CUDA context: the warm-up client]
     export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/hep-mps-log}
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     MPS_OK=0
+    MPS_SAVED_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS-unset}
+    export CUDA_DEVICE_MAX_CONNECTIONS=${MPS_CLIENT_CONNECTIONS:-4}
+    mps_log "clients get CUDA_DEVICE_MAX_CONNECTIONS=$CUDA_DEVICE_MAX_CONNECTIONS (the server's queues are shared)"
     if ! command -v nvidia-cuda-mps-control >/dev/null; then
         mps_log "nvidia-cuda-mps-control is not installed: no MPS"
         return 1
@@ -67,10 +76,17 @@ mps_stop() { # [dir for the logs]
     echo quit | timeout 10 nvidia-cuda-mps-control >/dev/null 2>&1
     sleep 2
     if [ -n "$out" ] && [ -d "${CUDA_MPS_LOG_DIRECTORY:-/nonexistent}" ]; then
-        for f in control.log server.log; do
+        grep -q "maximum number of device connections" "${CUDA_MPS_LOG_DIRECTORY:-/nonexistent}/server.log" 2>/dev/null &&
+        mps_log "the server refused clients: maximum number of device connections (lower MPS_CLIENT_CONNECTIONS)"
+    for f in control.log server.log; do
             [ -f "$CUDA_MPS_LOG_DIRECTORY/$f" ] && cp "$CUDA_MPS_LOG_DIRECTORY/$f" "$out/mps_$f"
         done
     fi
     MPS_OK=0
     unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+    if [ "${MPS_SAVED_CONNECTIONS:-unset}" = unset ]; then
+        unset CUDA_DEVICE_MAX_CONNECTIONS
+    else
+        export CUDA_DEVICE_MAX_CONNECTIONS=$MPS_SAVED_CONNECTIONS
+    fi
 }
