@@ -11,6 +11,7 @@
 #   HEP_BUILD_DIR  a build of this repository (required; its src/libhybridep.so is used;
 #                  .gpu from bench/gpu_build.sh works)
 #   HEP_PYTHON     python with torch + CUDA (default python3); NPROC (default 8)
+#   PY_MPS_ONLY=1  only the example, the bench and the overhead script, under MPS
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${HEP_BUILD_DIR:?set HEP_BUILD_DIR to a hybridep build directory (with src/libhybridep.so)}"
@@ -63,6 +64,7 @@ suite() { # label, allow
         run "$l: gpu_bench.py x$np" 300 pass "${trun[@]}" python/tests/gpu_bench.py
         run "$l: overhead.py x$np (no_sync)" 200 pass "${trun[@]}" python/tests/overhead.py --backend gpu
     fi
+    [ "${PY_MPS_ONLY:-0}" = 1 ] && return 0
     for t in "${GPU_TESTS[@]}"; do # one pytest process each: one failure cannot poison the next
         run "$l: $t" 300 "$allow" env HEP_PY_GPU_WORLD="$np" "$py" -m pytest -q -rs -s \
             "python/tests/test_gpu.py::$t"
@@ -84,9 +86,11 @@ else
     fails=$((fails + 1))
 fi
 mps_stop "$OUT"
-export HEP_TIMEOUT_MS=${HEP_TIMEOUT_MS_NO_MPS:-20000}
-suite "no MPS" pass-or-named-timeout
-run "pytest python/tests (host backend; GPU ones ran above)" 600 pass "$py" -m pytest -q -rs python/tests --ignore=python/tests/test_gpu.py
+if [ "${PY_MPS_ONLY:-0}" != 1 ]; then
+    export HEP_TIMEOUT_MS=${HEP_TIMEOUT_MS_NO_MPS:-20000}
+    suite "no MPS" pass-or-named-timeout
+    run "pytest python/tests (host backend; GPU ones ran above)" 600 pass "$py" -m pytest -q -rs python/tests --ignore=python/tests/test_gpu.py
+fi
 # the bench through the package against the C bench
 msv() { grep -m1 -E "^$2" "$1" 2>/dev/null | awk '{for(i=1;i<=NF;i++) if($i=="ms"){print $(i-1); exit}}'; }
 pb=$(grep -h '^PYBENCH' "$OUT"/py_mps__gpu_bench.py_x*.txt 2>/dev/null | tail -1)
