@@ -646,7 +646,7 @@ static void bad_handles_and_options_are_refused_with_reasons(void **s)
 }
 
 /* The GPU backend (one node) takes a caller handle (here with no tokens) and combines
- * with it, refuses the expert-major layout and probabilities without a handle with
+ * with it, refuses the expert-major layout and probabilities without a caller handle with
  * HEP_ERR_UNAVAILABLE, and its one-shot path through hep_dispatch_ex without options still
  * works. tests/test_gpu_train.c checks the outputs against the host backend. */
 static int gpu_refusal(void)
