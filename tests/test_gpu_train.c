@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cmocka.h>
 #include <cuda_runtime_api.h>
@@ -39,11 +40,16 @@ typedef struct tcase {
     float w[2][MAXW][MAXT * KS];
     int cap, cap_rank; /* cap_mode: the capacity (= set 0's most rows) and the rank of it */
     int gpu, graph_replays;
+    /* the expert-major layout: pad_multiple, the row budget of hA's and hB's dispatches
+     * (every rank alike), the rows the recv buffers hold (the larger budget) */
+    int em, pad, budget[2], em_rows;
     /* outputs per rank (host memory): [0] host run, [1] GPU run */
     struct rout {
         int rc[16];
         char err[512];
         int nrecv[STEPS], counts[STEPS][1 + EL];
+        int emw[STEPS][3];           /* expert-major: num_permuted, overflow, overflow_rows */
+        long long tpe[STEPS][EL];    /* ... padded tokens per expert */
         unsigned char *rows[STEPS];
         float *probs[STEPS], *scales[STEPS];
         uint16_t *comb[COMBS];
@@ -133,6 +139,47 @@ static void make_cap_case(tcase *c, int W, int T, int H, unsigned seed)
     c->t[1][0]++;
 }
 
+/* Expert-major rows rank d needs for set a with pad_multiple pad (padding included). */
+static int need_em(const tcase *c, int a, int d, int pad)
+{
+    int rows = 0;
+    for (int e = 0; e < EL; e++) {
+        int n = 0;
+        for (int s = 0; s < c->W; s++)
+            for (int i = 0; i < c->t[a][s]; i++) {
+                int hit = 0;
+                for (int k = 0; k < KS; k++)
+                    hit |= c->ids[a][s][i * KS + k] == d * EL + e;
+                n += hit;
+            }
+        rows += (n + pad - 1) / pad * pad;
+    }
+    return rows;
+}
+
+/* The expert-major case: set a into hA, b into hB with budget[0], budget[1] rows. over:
+ * hA's budget holds about half of its busiest rank's rows (rows dropped on every rank
+ * that needs more), hB's all of them. */
+static void make_em_case(tcase *c, int W, int T, int H, int fp8, int pad, int over,
+                         unsigned seed)
+{
+    int most[2] = {0, 0};
+    make_case(c, W, T, H, fp8, seed);
+    c->em = 1, c->pad = pad;
+    for (int a = 0; a < 2; a++)
+        for (int d = 0; d < W; d++) {
+            int n = need_em(c, a, d, pad);
+            most[a] = n > most[a] ? n : most[a];
+        }
+    c->budget[1] = most[0] > most[1] ? most[0] : most[1];
+    c->budget[0] = over ? (most[0] / 2 + pad - 1) / pad * pad : c->budget[1];
+    if (over && c->budget[0] >= most[0]) /* at least one row short on the busiest rank */
+        c->budget[0] = most[0] - pad;
+    if (c->budget[0] < pad)
+        c->budget[0] = pad;
+    c->em_rows = c->budget[1];
+}
+
 /* Token of (set, rank, i, byte): a BF16 or FP8 pattern that is a function of its inputs
  * (FP8: any byte but the NaN codes). */
 static void fill_tokens(const tcase *c, int set, int r, unsigned char *p, float *sc)
@@ -181,6 +228,14 @@ static int m_put(const mem *m, void *dst, const void *src, size_t n)
     }
     return cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice) != cudaSuccess;
 }
+static int m_get_into(const mem *m, void *dst, const void *src, size_t n)
+{
+    if (!m->gpu) {
+        memcpy(dst, src, n);
+        return 0;
+    }
+    return cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost) != cudaSuccess;
+}
 static void *m_get(const mem *m, const void *src, size_t n)
 {
     void *h = malloc(n ? n : 1);
@@ -215,6 +270,8 @@ static int setup_bufs(tcase *c, int r, const mem *m, hep_group *g, rank_bufs *b)
     if (hep_group_get_info(g, &gi))
         return 1;
     maxr = gi.max_recv_rows;
+    if ((size_t)c->em_rows > maxr) /* expert-major buffers hold the budget's rows */
+        maxr = (size_t)c->em_rows;
     for (int s = 0; s < 2; s++) {
         unsigned char *ht = malloc(T * rb);
         float *hs = malloc(sizeof(float) * (T * ns + 1));
@@ -297,8 +354,36 @@ static void save_dispatch(tcase *c, struct rout *o, const mem *m, rank_bufs *b, 
     o->nrecv[s] = dr->num_recv;
     for (int j = 0; j <= EL; j++)
         o->counts[s][j] = dr->host_counts[j];
+    if (c->em)
+        return; /* save_em */
     o->rows[s] = m_get(m, b->rtok[s], n * rbytes(c));
     o->probs[s] = m_get(m, b->rprob[s], n * EL * sizeof(float));
+    o->scales[s] = c->fp8 ? m_get(m, b->rscale[s], n * ns * sizeof(float)) : NULL;
+}
+
+/* Expert-major step s: the words and tokens per expert (from the host fields, or with
+ * `dev` from permuted_device / tokens_per_expert_device, as after a graph replay), then
+ * num_permuted rows, one probability each, their scales. */
+static void save_em(tcase *c, struct rout *o, const mem *m, rank_bufs *b, int s,
+                    const hep_dispatch_opts *x, int dev)
+{
+    const size_t ns = (size_t)c->H / 128;
+    size_t n;
+    if (dev) {
+        int w[3] = {-1, -1, -1};
+        if (m_get_into(m, w, x->permuted_device, sizeof(w)) ||
+            m_get_into(m, o->tpe[s], x->tokens_per_expert_device, sizeof(o->tpe[s])))
+            memset(o->tpe[s], 0xee, sizeof(o->tpe[s]));
+        memcpy(o->emw[s], w, sizeof(w));
+    } else {
+        o->emw[s][0] = x->num_permuted, o->emw[s][1] = x->overflow;
+        o->emw[s][2] = x->overflow_rows;
+        for (int e = 0; e < EL; e++)
+            o->tpe[s][e] = x->tokens_per_expert ? x->tokens_per_expert[e] : -7;
+    }
+    n = o->emw[s][0] > 0 ? (size_t)o->emw[s][0] : 0;
+    o->rows[s] = m_get(m, b->rtok[s], n * rbytes(c));
+    o->probs[s] = m_get(m, b->rprob[s], n * sizeof(float));
     o->scales[s] = c->fp8 ? m_get(m, b->rscale[s], n * ns * sizeof(float)) : NULL;
 }
 
@@ -316,6 +401,19 @@ static hep_dispatch_opts opts_into(rank_bufs *b, hep_handle *h, int s)
     x.recv_tokens = b->rtok[s];
     x.recv_probs = b->rprob[s];
     x.recv_scales = b->rscale[s];
+    return x;
+}
+
+/* Into step s's buffers, expert-major with budget `which` (0: hA's, 1: hB's), or
+ * rank-major when the case is. */
+static hep_dispatch_opts opts_case(const tcase *c, rank_bufs *b, hep_handle *h, int s, int which)
+{
+    hep_dispatch_opts x = opts_into(b, h, s);
+    if (c->em) {
+        x.layout = HEP_LAYOUT_EXPERT_MAJOR;
+        x.pad_multiple = c->pad;
+        x.num_permuted_tokens = c->budget[which];
+    }
     return x;
 }
 
@@ -410,7 +508,7 @@ static int run_rank(rank_ctx *x)
         save_combine(c, o, &m, &b, 1, c->t[0][r]);
         goto out;
     }
-    xo = opts_into(&b, hA, 0);
+    xo = opts_case(c, &b, hA, 0, 0);
     da = dargs(c, r, &b, 0, 0, st, 0);
     if ((rc = hep_dispatch_ex(g, &da, &xo, &dr)) && rc != HEP_WARN_IGNORED)
         FAIL("rank %d: dispatch A: %s", r, hep_last_error());
@@ -418,11 +516,15 @@ static int run_rank(rank_ctx *x)
         FAIL("rank %d: dispatch A into a handle: result handle %llu, copy_bytes %zu", r,
              (unsigned long long)dr.handle, xo.copy_bytes);
     save_dispatch(c, o, &m, &b, 0, &dr);
-    xo = opts_into(&b, hB, 1);
+    if (c->em)
+        save_em(c, o, &m, &b, 0, &xo, 0);
+    xo = opts_case(c, &b, hB, 1, 1);
     da = dargs(c, r, &b, 1, 1, st, 0);
     if ((rc = hep_dispatch_ex(g, &da, &xo, &dr)) && rc != HEP_WARN_IGNORED)
         FAIL("rank %d: dispatch B: %s", r, hep_last_error());
     save_dispatch(c, o, &m, &b, 1, &dr);
+    if (c->em)
+        save_em(c, o, &m, &b, 1, &xo, 0);
     if (c->gpu) { /* the exchange buffer holds B's rows now: not A's in place */
         hep_combine_args ca;
         hep_combine_opts co;
@@ -433,19 +535,21 @@ static int run_rank(rank_ctx *x)
         ca.stream = st;
         co.handle = hA;
         if (hep_combine_ex(g, &ca, &co) != HEP_ERR_INVALID ||
-            !strstr(hep_last_error(), "no longer holds"))
+            !strstr(hep_last_error(), c->em ? "caller memory" : "no longer holds"))
             FAIL("rank %d: combine of hA in place after B was not refused: %s", r,
                  hep_last_error());
     }
     if ((rc = do_combine(g, hA, &b, 0, st, 0)))
         FAIL("rank %d: combine hA: %s", r, hep_last_error());
     save_combine(c, o, &m, &b, 0, c->t[0][r]);
-    xo = opts_into(&b, hA, 2);
+    xo = opts_into(&b, hA, 2); /* the layout, pad and budget are hA's */
     da = dargs(c, r, &b, 0, 1, st, HEP_REUSE_LAYOUT);
     da.topk_idx = NULL, da.topk = 0, da.topk_weights = NULL;
     if ((rc = hep_dispatch_ex(g, &da, &xo, &dr)))
         FAIL("rank %d: dispatch reusing hA: %s", r, hep_last_error());
     save_dispatch(c, o, &m, &b, 2, &dr);
+    if (c->em)
+        save_em(c, o, &m, &b, 2, &xo, 0);
     if ((rc = do_combine(g, hB, &b, 1, st, 0)))
         FAIL("rank %d: combine hB: %s", r, hep_last_error());
     save_combine(c, o, &m, &b, 1, c->t[1][r]);
@@ -462,7 +566,7 @@ static int run_rank(rank_ctx *x)
         x->bs.barrier(x->bs.ctx);
         if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
             FAIL("rank %d: begin capture", r);
-        xo = opts_into(&b, hA, 0);
+        xo = opts_case(c, &b, hA, 0, 0);
         da = dargs(c, r, &b, 0, 0, st, HEP_ASYNC);
         rc = hep_dispatch_ex(g, &da, &xo, &dr);
         crc = do_combine(g, hA, &b, 0, st, HEP_ASYNC);
@@ -472,7 +576,10 @@ static int run_rank(rank_ctx *x)
         for (int rep = 0; rep < c->graph_replays; rep++) {
             struct rout *h = &c->out[0][r];
             hep_dispatch_result rr = dr;
-            if (cudaMemset(b.rtok[0], 0xff, (size_t)(h->nrecv[0] > 0 ? h->nrecv[0] : 0) * rbytes(c)) ||
+            const size_t poison_rows = c->em ? (size_t)c->em_rows
+                                             : (size_t)(h->nrecv[0] > 0 ? h->nrecv[0] : 0);
+            if (cudaMemset(b.rtok[0], 0xff, poison_rows * rbytes(c)) ||
+                cudaMemset(b.rprob[0], 0xff, poison_rows * sizeof(float) * (c->em ? 1 : EL)) ||
                 cudaMemset(b.out, 0xff, (size_t)c->T * c->H * 2) ||
                 cudaMemset(b.pout, 0xff, sizeof(float) * (size_t)c->T * EL * c->W) ||
                 cudaDeviceSynchronize())
@@ -486,6 +593,8 @@ static int run_rank(rank_ctx *x)
             free(o->rows[0]), free(o->probs[0]), free(o->scales[0]);
             free(o->comb[0]), free(o->pout[0]);
             save_dispatch(c, o, &m, &b, 0, &rr);
+            if (c->em)
+                save_em(c, o, &m, &b, 0, &xo, 1);
             save_combine(c, o, &m, &b, 0, c->t[0][r]);
             {
                 int cnt = -1;
@@ -524,6 +633,50 @@ static int first_diff(const void *a, const void *b, size_t n)
     return -1;
 }
 
+/* Expert-major step s of GPU rank r against the host run: the words, the padded tokens
+ * per expert, then every written row, probability and scale. 1 (and err) on a mismatch. */
+static int compare_em(tcase *c, int r, int s)
+{
+    struct rout *h = &c->out[0][r], *o = &c->out[1][r];
+    const size_t ns = (size_t)c->H / 128, n = h->emw[s][0] > 0 ? (size_t)h->emw[s][0] : 0;
+    int k;
+    if (memcmp(o->emw[s], h->emw[s], sizeof(h->emw[s]))) {
+        snprintf(o->err, sizeof(o->err),
+                 "rank %d step %d (expert-major, pad %d): num_permuted %d overflow %d "
+                 "overflow_rows %d, host %d %d %d", r, s, c->pad, o->emw[s][0], o->emw[s][1],
+                 o->emw[s][2], h->emw[s][0], h->emw[s][1], h->emw[s][2]);
+        return 1;
+    }
+    for (int e = 0; e < EL; e++)
+        if (o->tpe[s][e] != h->tpe[s][e]) {
+            snprintf(o->err, sizeof(o->err),
+                     "rank %d step %d (expert-major, pad %d): tokens_per_expert[%d] = %lld, "
+                     "host %lld", r, s, c->pad, e, o->tpe[s][e], h->tpe[s][e]);
+            return 1;
+        }
+    if ((k = first_diff(o->rows[s], h->rows[s], n * rbytes(c))) >= 0) {
+        snprintf(o->err, sizeof(o->err),
+                 "rank %d step %d (expert-major, pad %d): row %zu byte (channel) %zu: 0x%02x, "
+                 "host 0x%02x", r, s, c->pad, (size_t)k / rbytes(c), (size_t)k % rbytes(c),
+                 o->rows[s][k], h->rows[s][k]);
+        return 1;
+    }
+    if ((k = first_diff(o->probs[s], h->probs[s], n * 4)) >= 0) {
+        snprintf(o->err, sizeof(o->err),
+                 "rank %d step %d (expert-major, pad %d): prob of row %d: %g, host %g", r, s,
+                 c->pad, k / 4, o->probs[s][k / 4], h->probs[s][k / 4]);
+        return 1;
+    }
+    if (c->fp8 && (k = first_diff(o->scales[s], h->scales[s], n * ns * 4)) >= 0) {
+        snprintf(o->err, sizeof(o->err),
+                 "rank %d step %d (expert-major, pad %d): scale %zu of row %zu: %g, host %g", r,
+                 s, c->pad, (size_t)k / 4 % ns, (size_t)k / 4 / ns, o->scales[s][k / 4],
+                 h->scales[s][k / 4]);
+        return 1;
+    }
+    return 0;
+}
+
 /* GPU rank r against the host run; step_only: dispatch 0 and combine 0. Records the first
  * mismatch in the GPU side's err and counts them. */
 static int compare_rank(tcase *c, int r, int step_only)
@@ -542,6 +695,11 @@ static int compare_rank(tcase *c, int r, int step_only)
                      "host %d (%d)", r, s, o->nrecv[s], o->counts[s][1], h->nrecv[s],
                      h->counts[s][1]);
             return ++bad;
+        }
+        if (c->em) {
+            if (compare_em(c, r, s))
+                return ++bad;
+            continue;
         }
         if ((k = first_diff(o->rows[s], h->rows[s], n * rbytes(c))) >= 0) {
             snprintf(o->err, sizeof(o->err), "rank %d step %d: received row %zu byte %zu differs",
@@ -589,10 +747,40 @@ static void free_out(struct rout *o)
         free(o->comb[s]), free(o->pout[s]);
 }
 
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* An overflow case must overflow somewhere with hA's budget, and nowhere with hB's: else
+ * it proves nothing. 0, or the number of ranks of the host run that say otherwise. */
+static int check_em_overflow(const tcase *c, const char *name)
+{
+    int over = 0, bad = 0;
+    for (int r = 0; r < c->W; r++) {
+        const struct rout *h = &c->out[0][r];
+        over += h->emw[0][1] == 1 && h->emw[0][2] > 0 && h->emw[2][1] == 1;
+        if (h->emw[1][1] != 0 || h->emw[1][2] != 0) {
+            print_error("%s: rank %d: hB's dispatch (the full budget %d) overflowed on the "
+                        "host: %d %d\n", name, r, c->budget[1], h->emw[1][1], h->emw[1][2]);
+            bad++;
+        }
+    }
+    if (!over) {
+        print_error("%s: no rank overflowed hA's budget of %d rows: the case is wrong\n", name,
+                    c->budget[0]);
+        bad++;
+    }
+    return bad;
+}
+
 static void run_case(tcase *c, const char *name)
 {
     rank_ctx ctx[MAXW];
     int fails = 0;
+    const double t0 = now_s();
     for (int side = 0; side < 2; side++) {
         c->gpu = side;
         assert_int_equal(run_ranks(c->W, run_rank, c, ctx), 0);
@@ -609,6 +797,8 @@ static void run_case(tcase *c, const char *name)
         if (c->out[1][r].err[0])
             print_error("%s: %s\n", name, c->out[1][r].err);
     }
+    if (c->em && c->budget[0] < c->budget[1] && !fails)
+        fails += check_em_overflow(c, name);
     if (c->cap_mode && !fails)
         for (int side = 0; side < 2; side++)
             for (int r = 0; r < c->W; r++) {
@@ -628,7 +818,7 @@ static void run_case(tcase *c, const char *name)
             free_out(&c->out[side][r]);
     if (fails)
         fail_msg("%s: %d ranks differ from the host backend", name, fails);
-    print_message("%s: every output equals the host backend's\n", name);
+    print_message("%s: every output equals the host backend's (%.1f s)\n", name, now_s() - t0);
 }
 
 static tcase *new_case(void)
@@ -687,6 +877,63 @@ static void graph_replays_of_the_no_sync_mode_equal_the_host(void **state)
     free(c);
 }
 
+static void em_case(int pad, int fp8, int over, int replays, unsigned seed, const char *name)
+{
+    tcase *c = new_case();
+    make_em_case(c, W_(), T_(), small_only() ? 128 : 1024, fp8, pad, over, seed);
+    c->graph_replays = replays;
+    run_case(c, name);
+    free(c);
+}
+
+static void expert_major_pad_1_equals_the_host(void **state)
+{
+    (void)state;
+    em_case(1, 0, 0, 0, 21u, "expert-major, pad 1, bf16");
+}
+
+static void expert_major_pad_16_equals_the_host(void **state)
+{
+    (void)state;
+    em_case(16, 0, 0, 0, 22u, "expert-major, pad 16, bf16");
+}
+
+static void expert_major_pad_64_equals_the_host(void **state)
+{
+    (void)state;
+    em_case(64, 0, 0, 0, 23u, "expert-major, pad 64, bf16");
+}
+
+static void expert_major_pad_128_equals_the_host(void **state)
+{
+    (void)state;
+    em_case(128, 0, 0, 0, 24u, "expert-major, pad 128, bf16");
+}
+
+static void expert_major_fp8_rows_carry_their_scales(void **state)
+{
+    (void)state;
+    em_case(16, 1, 0, 0, 25u, "expert-major, pad 16, fp8");
+}
+
+static void expert_major_budget_overflow_drops_rows_then_fits(void **state)
+{
+    (void)state;
+    em_case(16, 0, 1, 0, 26u, "expert-major, budget overflow, pad 16");
+}
+
+static void expert_major_fp8_budget_overflow(void **state)
+{
+    (void)state;
+    em_case(64, 1, 1, 0, 27u, "expert-major, budget overflow, pad 64, fp8");
+}
+
+static void expert_major_graph_replays_equal_the_host(void **state)
+{
+    (void)state;
+    em_case(128, 0, 1, 3, 28u, "expert-major, graph replay x3 (budget overflow, pad 128)");
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -695,6 +942,14 @@ int main(void)
         cmocka_unit_test(handles_with_four_ranks_and_int32_routing),
         cmocka_unit_test(capacity_met_then_one_short_then_fits_again),
         cmocka_unit_test(graph_replays_of_the_no_sync_mode_equal_the_host),
+        cmocka_unit_test(expert_major_pad_1_equals_the_host),
+        cmocka_unit_test(expert_major_pad_16_equals_the_host),
+        cmocka_unit_test(expert_major_pad_64_equals_the_host),
+        cmocka_unit_test(expert_major_pad_128_equals_the_host),
+        cmocka_unit_test(expert_major_fp8_rows_carry_their_scales),
+        cmocka_unit_test(expert_major_budget_overflow_drops_rows_then_fits),
+        cmocka_unit_test(expert_major_fp8_budget_overflow),
+        cmocka_unit_test(expert_major_graph_replays_equal_the_host),
     };
     if (hep_gpu_probe(0)) {
         printf("skipped: no usable GPU: %s\n", hep_last_error());

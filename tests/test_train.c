@@ -646,7 +646,7 @@ static void bad_handles_and_options_are_refused_with_reasons(void **s)
 }
 
 /* The GPU backend (one node) takes a caller handle (here with no tokens) and combines
- * with it, refuses the expert-major layout and probabilities without a handle with
+ * with it, refuses the expert-major layout and probabilities without a caller handle with
  * HEP_ERR_UNAVAILABLE, and its one-shot path through hep_dispatch_ex without options still
  * works. tests/test_gpu_train.c checks the outputs against the host backend. */
 static int gpu_refusal(void)
@@ -662,6 +662,7 @@ static int gpu_refusal(void)
     hep_combine_args ca;
     hep_combine_opts co;
     float p = 0;
+    static _Alignas(16) float sink[4];
     int fails = 0;
     if (hep_gpu_probe(0)) {
         printf("skipped: no usable GPU: %s\n", hep_last_error());
@@ -680,8 +681,8 @@ static int gpu_refusal(void)
     x.handle = NULL;
     x.layout = HEP_LAYOUT_EXPERT_MAJOR;
     x.num_permuted_tokens = 16;
-    x.recv_tokens = &fails; /* never written: refused first */
-    x.recv_probs = (float *)&fails;
+    x.recv_tokens = sink; /* never written: refused first (16-byte aligned, so that the */
+    x.recv_probs = sink;  /* refusal is the layout's, not the pointer check's) */
     fails += hep_dispatch_ex(g, &da, &x, &dr) != HEP_ERR_UNAVAILABLE ||
              !strstr(hep_last_error(), "GPU kernels");
     memset(&x, 0, sizeof(x));

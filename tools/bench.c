@@ -23,7 +23,7 @@
 
 typedef struct bench_opts {
     int R, nodes, H, T, El, K, sms, iters, warmup, gpus, skew, as_json, host, backend, dtype_i;
-    int seed;
+    int seed, layout_em, pad; /* --layout expert, --pad-multiple */
     hep_dtype dtype;
     cli_int_list sweep;
     const char *dump, *json_file;
@@ -50,6 +50,21 @@ typedef struct rank_data {
     char err[1024];
 } rank_data;
 
+/* The expert-major part of a run (--layout expert), per rank: what its checked call gave
+ * and, per timed iteration, when each of its phases started and ended (ms after rank 0's
+ * reference event). */
+enum { EM_DISPATCH, EM_COMBINE, EM_REUSE, EM_PAIR, EM_GATHER, EM_PHASES };
+typedef struct em_rank {
+    int num_permuted, overflow, gather_bad;
+    long long *tpe;                  /* [El] padded rows per local expert */
+    unsigned char *rows;             /* [num_permuted, H * esize] */
+    float *probs, *scales;           /* [num_permuted], [num_permuted, H / 128] */
+    uint16_t *comb;                  /* [t, H] the expert-major combine */
+    float *s[EM_PHASES], *e[EM_PHASES];
+    double *lay;                     /* the fresh expert-major dispatch's layout step, ms */
+    double host_ms;                  /* host backend: its expert-major dispatch + combine */
+} em_rank;
+
 typedef struct bench {
     bench_opts o;
     hep_config cfg;
@@ -64,6 +79,9 @@ typedef struct bench {
                              bytes a rank at once, SMs idle (read + written); 0: not measured */
     void *ref_event;      /* rank 0's reference event of the current iteration */
     FILE *json_out;       /* --json-file, opened before the run so a bad path fails first */
+    em_rank *em;          /* --layout expert: [W] */
+    int em_budget;        /* num_permuted_tokens of every rank: the most rows one needs */
+    double em_rows;       /* expert-major data rows over all ranks (padding excluded) */
 } bench;
 
 /* splitmix64: every bit well mixed (an LCG's low bits cycle quickly, which made the
@@ -263,6 +281,332 @@ static void loopback_yardstick(bench *b)
     }
 }
 
+static int cmp_f(const void *a, const void *b);
+
+/* ---------------------------------------------------------------- --layout expert
+ * The fused expert-major phases of the same run, next to what a user does without them:
+ * a rank-major dispatch followed by a gather into expert order (ceil_gather_rows), and a
+ * dispatch with a reused layout against a fresh one. Every rank uses one budget: the most
+ * rows a rank needs, so nothing is dropped. */
+
+/* Local expert e's distinct tokens at rank d over all sources (cnt [El]). */
+static void em_counts(const bench *b, int d, int *cnt)
+{
+    const int El = b->o.El, K = b->o.K;
+    memset(cnt, 0, sizeof(int) * (size_t)El);
+    for (int s = 0; s < b->W; s++)
+        for (int i = 0; i < b->rd[s].t; i++)
+            for (int k = 0; k < K; k++) { /* the bench's K experts of a token are distinct */
+                int x = b->rd[s].idx[(size_t)i * K + k];
+                if (x / El == d)
+                    cnt[x % El]++;
+            }
+}
+
+/* The budget (the most padded rows a rank needs) and the data rows of all ranks. */
+static int em_plan(bench *b)
+{
+    int *cnt = malloc(sizeof(int) * (size_t)b->o.El);
+    if (!cnt)
+        return -1;
+    b->em_budget = b->o.pad, b->em_rows = 0;
+    for (int d = 0; d < b->W; d++) {
+        long long rows = 0;
+        em_counts(b, d, cnt);
+        for (int e = 0; e < b->o.El; e++) {
+            rows += (cnt[e] + b->o.pad - 1) / b->o.pad * (long long)b->o.pad;
+            b->em_rows += cnt[e];
+        }
+        if (rows > 0x7fffffffLL) {
+            free(cnt);
+            return -1;
+        }
+        b->em_budget = rows > b->em_budget ? (int)rows : b->em_budget;
+    }
+    free(cnt);
+    b->em = calloc((size_t)b->W, sizeof(em_rank));
+    return b->em ? 0 : -1;
+}
+
+/* The gather map of rank d: expert-major row p is rank-major row map[p] (-1: padding), the
+ * positions of hybridep.h's "Layouts" computed from the routing. */
+static int em_map(const bench *b, int d, int *map)
+{
+    const int El = b->o.El, K = b->o.K;
+    long long *run = malloc(sizeof(long long) * (size_t)El), pos = 0;
+    int *cnt = malloc(sizeof(int) * (size_t)El), j = 0;
+    if (!run || !cnt) {
+        free(run), free(cnt);
+        return -1;
+    }
+    em_counts(b, d, cnt);
+    for (int e = 0; e < El; e++) {
+        run[e] = pos;
+        pos += (cnt[e] + b->o.pad - 1) / b->o.pad * (long long)b->o.pad;
+    }
+    for (int p = 0; p < b->em_budget; p++)
+        map[p] = -1;
+    for (int s = 0; s < b->W; s++)
+        for (int i = 0; i < b->rd[s].t; i++) {
+            int hit = 0;
+            for (int k = 0; k < K; k++) {
+                int x = b->rd[s].idx[(size_t)i * K + k];
+                if (x / El == d) {
+                    long long p = run[x % El]++;
+                    if (p < b->em_budget)
+                        map[p] = j;
+                    hit = 1;
+                }
+            }
+            j += hit;
+        }
+    free(run), free(cnt);
+    return 0;
+}
+
+/* Expert output of rank r's expert-major row p, channel c (as the main pass's pattern). */
+static uint16_t em_expert_value(int r, int p, int c)
+{
+    return bf16_of((float)((r + 1) * 8 + p % 13) + 0.25f * (float)(c % 5));
+}
+
+static hep_dispatch_opts em_opts(const bench *b, hep_handle *h, void *tok, float *pr, float *sc)
+{
+    hep_dispatch_opts x;
+    memset(&x, 0, sizeof(x));
+    x.handle = h;
+    x.layout = HEP_LAYOUT_EXPERT_MAJOR;
+    x.pad_multiple = b->o.pad;
+    x.num_permuted_tokens = b->em_budget;
+    x.recv_tokens = tok;
+    x.recv_probs = pr;
+    x.recv_scales = b->esize == 1 ? sc : NULL;
+    return x;
+}
+
+/* The GPU rank's expert-major part, after its rank-major iterations (same group). 0, or
+ * d->rc with d->err. */
+static int em_gpu_rank(bench *b, int rank, hep_group *g, hep_bootstrap *bs, cudaStream_t st,
+                       hep_dispatch_args da)
+{
+    rank_data *d = &b->rd[rank];
+    em_rank *m = &b->em[rank];
+    const int H = b->o.H, El = b->o.El, it_total = b->o.warmup + b->o.iters;
+    const size_t rb = (size_t)H * (size_t)b->esize, B = (size_t)b->em_budget;
+    const size_t ns = (size_t)b->ns;
+    void *tok = NULL, *eo = NULL, *out = NULL, *gdst = NULL;
+    float *pr = NULL, *sc = NULL;
+    int *dmap = NULL, *hmap = NULL;
+    uint16_t *he = NULL;
+    unsigned char *gh = NULL;
+    hep_handle *h = NULL;
+    cudaEvent_t ev[11] = {0};
+    hep_dispatch_opts x;
+    hep_dispatch_result dr;
+    hep_combine_args ca;
+    hep_combine_opts co;
+
+    for (int k = 0; k < 11; k++)
+        CKB(cudaEventCreate(&ev[k]));
+    HCK(hep_handle_create(g, &h));
+    CKB(cudaMalloc(&tok, B * rb));
+    CKB(cudaMalloc((void **)&pr, B * sizeof(float)));
+    CKB(cudaMalloc((void **)&sc, B * (ns + 1) * sizeof(float)));
+    CKB(cudaMalloc(&eo, B * (size_t)H * 2));
+    CKB(cudaMalloc(&out, (size_t)d->t * (size_t)H * 2 + 16));
+    CKB(cudaMalloc(&gdst, B * rb));
+    CKB(cudaMalloc((void **)&dmap, B * sizeof(int)));
+    hmap = malloc(B * sizeof(int));
+    MCK(hmap);
+    if (em_map(b, rank, hmap))
+        MCK(NULL);
+    CKB(cudaMemcpy(dmap, hmap, B * sizeof(int), cudaMemcpyHostToDevice));
+    /* 1. one checked call (poisoned outputs), kept for the verification */
+    CKB(cudaMemset(tok, 0xff, B * rb));
+    CKB(cudaMemset(pr, 0xff, B * sizeof(float)));
+    CKB(cudaMemset(sc, 0xff, B * (ns + 1) * sizeof(float)));
+    bs->barrier(bs->ctx);
+    da.flags = 0;
+    x = em_opts(b, h, tok, pr, sc);
+    HCK(hep_dispatch_ex(g, &da, &x, &dr));
+    m->num_permuted = x.num_permuted;
+    m->overflow = x.overflow;
+    m->tpe = malloc(sizeof(long long) * (size_t)El);
+    MCK(m->tpe);
+    for (int e = 0; e < El; e++)
+        m->tpe[e] = x.tokens_per_expert[e];
+    m->rows = malloc(rb * (size_t)m->num_permuted + 1);
+    m->probs = malloc(sizeof(float) * (size_t)m->num_permuted + 1);
+    m->scales = malloc(sizeof(float) * ns * (size_t)m->num_permuted + 1);
+    MCK(m->rows && m->probs && m->scales);
+    CKB(cudaMemcpy(m->rows, tok, rb * (size_t)m->num_permuted, cudaMemcpyDeviceToHost));
+    CKB(cudaMemcpy(m->probs, pr, sizeof(float) * (size_t)m->num_permuted, cudaMemcpyDeviceToHost));
+    if (b->esize == 1)
+        CKB(cudaMemcpy(m->scales, sc, sizeof(float) * ns * (size_t)m->num_permuted,
+                       cudaMemcpyDeviceToHost));
+    he = malloc(B * (size_t)H * 2);
+    MCK(he);
+    for (size_t p = 0; p < B; p++)
+        for (int c = 0; c < H; c++)
+            he[p * (size_t)H + (size_t)c] = em_expert_value(rank, (int)p, c);
+    CKB(cudaMemcpy(eo, he, B * (size_t)H * 2, cudaMemcpyHostToDevice));
+    bs->barrier(bs->ctx);
+    memset(&ca, 0, sizeof(ca));
+    memset(&co, 0, sizeof(co));
+    ca.expert_out = eo;
+    ca.out = out;
+    ca.stream = st;
+    co.handle = h;
+    HCK(hep_combine_ex(g, &ca, &co));
+    m->comb = malloc((size_t)H * 2 * (size_t)d->t + 16);
+    MCK(m->comb);
+    CKB(cudaMemcpy(m->comb, out, (size_t)H * 2 * (size_t)d->t, cudaMemcpyDeviceToHost));
+    /* the pair computes the same rows: a rank-major dispatch, then the gather */
+    bs->barrier(bs->ctx);
+    HCK(hep_dispatch(g, &da, &dr));
+    CKB((cudaError_t)ceil_gather_rows(dr.tokens, gdst, dmap, B, rb, b->o.sms, st));
+    CKB(cudaStreamSynchronize(st));
+    gh = malloc(rb * (size_t)m->num_permuted + 1);
+    MCK(gh);
+    CKB(cudaMemcpy(gh, gdst, rb * (size_t)m->num_permuted, cudaMemcpyDeviceToHost));
+    m->gather_bad = memcmp(gh, m->rows, rb * (size_t)m->num_permuted) != 0;
+    /* 2. timed iterations */
+    for (int k = 0; k < EM_PHASES; k++) {
+        m->s[k] = calloc((size_t)it_total, sizeof(float));
+        m->e[k] = calloc((size_t)it_total, sizeof(float));
+        MCK(m->s[k] && m->e[k]);
+    }
+    m->lay = calloc((size_t)it_total, sizeof(double));
+    MCK(m->lay);
+    ca.flags = HEP_ASYNC;
+    for (int it = 0; it < it_total; it++) {
+        hep_group_stats n1;
+        if (rank == 0) {
+            CKB(cudaEventRecord(ev[10], st));
+            CKB(cudaEventSynchronize(ev[10]));
+            b->ref_event = ev[10];
+        }
+        bs->barrier(bs->ctx);
+        da.flags = HEP_ASYNC; /* fresh: the layout step, recorded into h */
+        x = em_opts(b, h, tok, pr, sc);
+        CKB(cudaEventRecord(ev[0], st));
+        HCK(hep_dispatch_ex(g, &da, &x, &dr));
+        CKB(cudaEventRecord(ev[1], st));
+        CKB(cudaStreamSynchronize(st));
+        HCK(hep_group_sync(g, st));
+        HCK(hep_group_get_stats(g, &n1));
+        m->lay[it] = ((double)n1.layout_ready_ns - (double)n1.dispatch_start_ns) / 1e6;
+        bs->barrier(bs->ctx);
+        CKB(cudaEventRecord(ev[2], st));
+        HCK(hep_combine_ex(g, &ca, &co));
+        CKB(cudaEventRecord(ev[3], st));
+        CKB(cudaStreamSynchronize(st));
+        HCK(hep_group_sync(g, st));
+        bs->barrier(bs->ctx);
+        da.flags = HEP_ASYNC | HEP_REUSE_LAYOUT; /* the same tokens with h's layout */
+        x = em_opts(b, h, tok, pr, sc);
+        CKB(cudaEventRecord(ev[4], st));
+        HCK(hep_dispatch_ex(g, &da, &x, &dr));
+        CKB(cudaEventRecord(ev[5], st));
+        CKB(cudaStreamSynchronize(st));
+        HCK(hep_group_sync(g, st));
+        bs->barrier(bs->ctx);
+        da.flags = HEP_ASYNC; /* rank-major, then the gather into expert order */
+        CKB(cudaEventRecord(ev[6], st));
+        HCK(hep_dispatch(g, &da, &dr));
+        CKB(cudaEventRecord(ev[7], st));
+        CKB((cudaError_t)ceil_gather_rows(dr.tokens, gdst, dmap, B, rb, b->o.sms, st));
+        CKB(cudaEventRecord(ev[8], st));
+        CKB(cudaStreamSynchronize(st));
+        HCK(hep_group_sync(g, st));
+        {
+            const int from[EM_PHASES] = {0, 2, 4, 6, 7}, to[EM_PHASES] = {1, 3, 5, 8, 8};
+            for (int k = 0; k < EM_PHASES; k++) {
+                CKB(cudaEventElapsedTime(&m->s[k][it], (cudaEvent_t)b->ref_event, ev[from[k]]));
+                CKB(cudaEventElapsedTime(&m->e[k][it], (cudaEvent_t)b->ref_event, ev[to[k]]));
+            }
+        }
+        bs->barrier(bs->ctx); /* the reference event stays alive until all have read it */
+    }
+out:
+    free(hmap), free(he), free(gh);
+    cudaFree(tok), cudaFree(pr), cudaFree(sc), cudaFree(eo), cudaFree(out), cudaFree(gdst);
+    cudaFree(dmap);
+    for (int k = 0; k < 11; k++)
+        if (ev[k])
+            cudaEventDestroy(ev[k]);
+    hep_handle_destroy(h);
+    return d->rc;
+}
+
+/* The host rank's expert-major part: the same call on the host backend, compared with the
+ * GPU's (unless this is the host-only run, which times it). Returns the mismatches. */
+static int em_host_rank(bench *b, int rank, hep_group *g, hep_dispatch_args da)
+{
+    rank_data *d = &b->rd[rank];
+    em_rank *m = &b->em[rank];
+    const int H = b->o.H, El = b->o.El;
+    const size_t rb = (size_t)H * (size_t)b->esize, B = (size_t)b->em_budget;
+    const size_t ns = (size_t)b->ns;
+    unsigned char *tok = malloc(B * rb + 1);
+    float *pr = malloc(B * sizeof(float) + 4), *sc = malloc(B * (ns + 1) * sizeof(float));
+    uint16_t *eo = malloc(B * (size_t)H * 2 + 2), *out = malloc((size_t)d->t * (size_t)H * 2 + 2);
+    hep_handle *h = NULL;
+    hep_dispatch_opts x;
+    hep_dispatch_result dr;
+    hep_combine_args ca;
+    hep_combine_opts co;
+    int bad = 0;
+    double t0 = now_ms();
+    MCK(tok && pr && sc && eo && out);
+    HCK(hep_handle_create(g, &h));
+    x = em_opts(b, h, tok, pr, sc);
+    HCK(hep_dispatch_ex(g, &da, &x, &dr));
+    for (size_t p = 0; p < B; p++)
+        for (int c = 0; c < H; c++)
+            eo[p * (size_t)H + (size_t)c] = em_expert_value(rank, (int)p, c);
+    memset(&ca, 0, sizeof(ca));
+    memset(&co, 0, sizeof(co));
+    ca.expert_out = eo;
+    ca.out = out;
+    co.handle = h;
+    HCK(hep_combine_ex(g, &ca, &co));
+    m->host_ms = now_ms() - t0;
+    if (!b->o.host) {
+        bad += x.num_permuted != m->num_permuted || x.overflow != m->overflow || m->gather_bad;
+        for (int e = 0; e < El && !bad; e++)
+            bad += x.tokens_per_expert[e] != m->tpe[e];
+        if (!bad) {
+            const size_t n = (size_t)x.num_permuted;
+            bad += memcmp(tok, m->rows, n * rb) != 0;
+            bad += memcmp(pr, m->probs, n * sizeof(float)) != 0;
+            if (b->esize == 1)
+                bad += memcmp(sc, m->scales, n * ns * sizeof(float)) != 0;
+            bad += memcmp(out, m->comb, (size_t)d->t * (size_t)H * 2) != 0;
+        }
+        if (bad)
+            snprintf(d->err, sizeof(d->err), "rank %d: the GPU's expert-major output%s differs "
+                     "from the host backend", rank,
+                     m->gather_bad ? " (or the rank-major dispatch + gather)" : "");
+    }
+out:
+    free(tok), free(pr), free(sc), free(eo), free(out);
+    hep_handle_destroy(h);
+    return bad + (d->rc != 0);
+}
+
+static void em_free(bench *b)
+{
+    for (int r = 0; b->em && r < b->W; r++) {
+        em_rank *m = &b->em[r];
+        free(m->tpe), free(m->rows), free(m->probs), free(m->scales), free(m->comb);
+        free(m->lay);
+        for (int k = 0; k < EM_PHASES; k++)
+            free(m->s[k]), free(m->e[k]);
+        memset(m, 0, sizeof(*m));
+    }
+}
+
 /* The host-backend pass: same inputs, results compared with what the GPU gave. */
 static void *host_rank(void *p)
 {
@@ -315,6 +659,10 @@ static void *host_rank(void *p)
     HCK(hep_combine(g, &ca));
     if (!b->o.host)
         bad += memcmp(comb, d->r_comb, (size_t)b->o.H * 2 * (size_t)d->t) != 0;
+    if (b->o.layout_em && em_host_rank(b, ta->rank, g, da)) {
+        __atomic_add_fetch(&b->verify_bad, 1, __ATOMIC_RELAXED);
+        goto out;
+    }
     if (bad) {
         __atomic_add_fetch(&b->verify_bad, 1, __ATOMIC_RELAXED);
         snprintf(d->err, sizeof(d->err), "rank %d: GPU output differs from the host backend",
@@ -476,6 +824,10 @@ static void *gpu_rank(void *p)
         CKB(cudaEventElapsedTime(&d->e_comb[it], (cudaEvent_t)b->ref_event, ev[3]));
         bs.barrier(bs.ctx); /* the reference event stays alive until all have read it */
     }
+    if (b->o.layout_em) {
+        da.flags = 0;
+        em_gpu_rank(b, ta->rank, g, &bs, st, da);
+    }
 out:
     free(h);
     cudaFree(d_tok), cudaFree(d_sc), cudaFree(d_idx), cudaFree(d_w), cudaFree(d_out);
@@ -628,7 +980,7 @@ static int parse(int argc, char **argv, bench_opts *o)
     int rc, routing = 0;
     memset(o, 0, sizeof(*o));
     o->R = 8, o->nodes = 1, o->H = 7168, o->T = 4096, o->El = 32, o->K = 8, o->sms = 16;
-    o->iters = 20, o->warmup = 5, o->gpus = 1, o->seed = BENCH_DEFAULT_SEED;
+    o->iters = 20, o->warmup = 5, o->gpus = 1, o->seed = BENCH_DEFAULT_SEED, o->pad = 128;
     {
         const cli_opt opts[] = {
             {"nodes", CLI_INT, &o->nodes, 1, 4096, NULL, "N", "virtual nodes (N > 1: the loopback NIC)"},
@@ -647,6 +999,8 @@ static int parse(int argc, char **argv, bench_opts *o)
             {"gpus", CLI_INT, &o->gpus, 1, 64, NULL, "G", "GPUs the ranks spread over"},
             {"seed", CLI_INT, &o->seed, 0, 2147483647, NULL, "S", "routing and data seed"},
             {"dump-routing", CLI_STR, &o->dump, 0, 0, NULL, "FILE", "write the routing (binary)"},
+            {"layout", CLI_CHOICE, &o->layout_em, 0, 0, "rank|expert", NULL, "expert: also the fused expert-major phases, a rank-major dispatch + gather, a reused layout"},
+            {"pad-multiple", CLI_INT, &o->pad, 1, HEP_MAX_PAD_MULTIPLE, NULL, "P", "expert-major block padding (default 128)"},
             {"json", CLI_FLAG, &o->as_json, 0, 0, NULL, NULL, "one JSON document on stdout"},
             {"json-file", CLI_STR, &o->json_file, 0, 0, NULL, "FILE", "also write the JSON report to FILE"},
         };
@@ -662,6 +1016,11 @@ static int parse(int argc, char **argv, bench_opts *o)
         return cli_fail("bench", 2, "--nodes %d x --ranks-per-node %d = %lld ranks: at most %d "
                         "(every rank is a thread of this process)", o->nodes, o->R,
                         (long long)o->nodes * o->R, BENCH_MAX_RANKS);
+    if (o->layout_em && o->sweep.n)
+        return cli_fail("bench", 2, "--layout expert: not with --sweep-sms");
+    if (o->layout_em && o->nodes > 1 && o->backend != 2)
+        return cli_fail("bench", 2, "--layout expert: the GPU kernels have the expert-major "
+                        "layout for one node only (--nodes 1, or --backend host)");
     if (o->backend == 2 && o->sweep.n)
         return cli_fail("bench", 2, "--sweep-sms times GPU kernels: not with --backend host");
     if (o->backend == 1 || (o->backend == 0 && hep_has_gpu_backend())) {
@@ -888,6 +1247,137 @@ static void report_text(const bench *b, const phase_row *ph, int n, const char *
            "bytes, and 'vs same' its time over the phase's\n");
 }
 
+/* Phase k of the expert-major part, as phase_ms: the median over iterations of the last
+ * rank's end after the last rank's start. */
+static double em_phase_ms(const bench *b, int k)
+{
+    float *per = malloc(sizeof(float) * (size_t)b->o.iters), med;
+    if (!per)
+        return NAN;
+    for (int it = 0; it < b->o.iters; it++) {
+        const int j = b->o.warmup + it;
+        double last = -1e300, end = -1e300;
+        for (int r = 0; r < b->W; r++) {
+            last = b->em[r].s[k][j] > last ? b->em[r].s[k][j] : last;
+            end = b->em[r].e[k][j] > end ? b->em[r].e[k][j] : end;
+        }
+        per[it] = (float)(end - last);
+    }
+    qsort(per, (size_t)b->o.iters, sizeof(float), cmp_f);
+    med = per[b->o.iters / 2];
+    free(per);
+    return med;
+}
+
+/* The in-kernel layout step of the fresh expert-major dispatch (median over iterations of
+ * the slowest rank's), ms. */
+static double em_layout_ms(const bench *b)
+{
+    float *per = malloc(sizeof(float) * (size_t)b->o.iters), med;
+    if (!per)
+        return NAN;
+    for (int it = 0; it < b->o.iters; it++) {
+        double worst = 0;
+        for (int r = 0; r < b->W; r++)
+            worst = b->em[r].lay[b->o.warmup + it] > worst ? b->em[r].lay[b->o.warmup + it] : worst;
+        per[it] = (float)worst;
+    }
+    qsort(per, (size_t)b->o.iters, sizeof(float), cmp_f);
+    med = per[b->o.iters / 2];
+    free(per);
+    return med;
+}
+
+typedef struct em_figures {
+    double ms[EM_PHASES], layout_ms, rm_rows, em_rows, pad_rows, rows_ratio;
+    double rm_dispatch_ms, rm_combine_ms, rm_layout_ms;
+} em_figures;
+
+static void em_figures_of(const bench *b, const phase_row *ph, em_figures *f)
+{
+    memset(f, 0, sizeof(*f));
+    for (int k = 0; k < EM_PHASES; k++)
+        f->ms[k] = em_phase_ms(b, k);
+    f->layout_ms = em_layout_ms(b);
+    f->rm_rows = ph[1].rows;
+    f->em_rows = b->em_rows;
+    for (int r = 0; r < b->W; r++)
+        f->pad_rows += b->em[r].num_permuted;
+    f->pad_rows -= b->em_rows;
+    f->rows_ratio = f->rm_rows > 0 ? f->em_rows / f->rm_rows : NAN;
+    f->rm_dispatch_ms = ph[1].ms;
+    f->rm_combine_ms = ph[2].ms;
+    f->rm_layout_ms = ph[0].ms;
+}
+
+static void em_report_text(const bench *b, const phase_row *ph)
+{
+    em_figures f;
+    em_figures_of(b, ph, &f);
+    printf("\nexpert-major layout (--pad-multiple %d, num_permuted_tokens %d a rank, nothing "
+           "dropped), same run, verified against the host backend:\n", b->o.pad, b->em_budget);
+    printf("rows: %.0f rank-major, %.0f expert-major (+%.0f of tokens on several local experts "
+           "of one rank: x%.3f), %.0f padding rows\n", f.rm_rows, f.em_rows,
+           f.em_rows - f.rm_rows, f.rows_ratio, f.pad_rows);
+    printf("%-34s %10s %14s %22s\n", "phase", "median", "vs rank-major", "counting extra rows");
+    printf("%-34s %7.3f ms %13.3fx %21.3fx\n", "dispatch (expert-major, fused)",
+           f.ms[EM_DISPATCH], f.ms[EM_DISPATCH] / f.rm_dispatch_ms,
+           f.ms[EM_DISPATCH] / f.rm_dispatch_ms / f.rows_ratio);
+    printf("%-34s %7.3f ms %13.3fx %21.3fx\n", "combine (expert-major, fused)",
+           f.ms[EM_COMBINE], f.ms[EM_COMBINE] / f.rm_combine_ms,
+           f.ms[EM_COMBINE] / f.rm_combine_ms / f.rows_ratio);
+    printf("%-34s %7.3f ms (the gather alone %.3f ms): the fused dispatch is %.2fx faster\n",
+           "rank-major dispatch + gather", f.ms[EM_PAIR], f.ms[EM_GATHER],
+           f.ms[EM_PAIR] / f.ms[EM_DISPATCH]);
+    printf("%-34s %7.3f ms: %.1f us faster than the fresh one; its layout step %.1f us "
+           "(rank-major: %.1f us)\n", "dispatch (expert-major, reused)", f.ms[EM_REUSE],
+           (f.ms[EM_DISPATCH] - f.ms[EM_REUSE]) * 1e3, f.layout_ms * 1e3, f.rm_layout_ms * 1e3);
+    printf("vs rank-major = the phase's median over the rank-major phase's of the same run; "
+           "counting extra rows = that over the rows ratio (expert-major rows / rank-major "
+           "rows)\n");
+}
+
+static const bench *em_json_bench;
+static const phase_row *em_json_ph;
+static void em_json(hep_json *j, const void *ctx)
+{
+    const bench *b = em_json_bench;
+    em_figures f;
+    (void)ctx;
+    json_obj(j, "expert_major");
+    json_int(j, "pad_multiple", b->o.pad);
+    json_int(j, "num_permuted_tokens", b->em_budget);
+    if (b->o.host) {
+        double worst = 0;
+        for (int r = 0; r < b->W; r++)
+            worst = b->em[r].host_ms > worst ? b->em[r].host_ms : worst;
+        json_num(j, "expert_rows", b->em_rows);
+        json_num(j, "host_dispatch_combine_ms", worst);
+        json_end_obj(j);
+        return;
+    }
+    em_figures_of(b, em_json_ph, &f);
+    json_num(j, "rank_major_rows", f.rm_rows);
+    json_num(j, "expert_rows", f.em_rows);
+    json_num(j, "extra_rows", f.em_rows - f.rm_rows);
+    json_num(j, "padding_rows", f.pad_rows);
+    json_num(j, "rows_ratio", f.rows_ratio);
+    json_num(j, "dispatch_ms", f.ms[EM_DISPATCH]);
+    json_num(j, "combine_ms", f.ms[EM_COMBINE]);
+    json_num(j, "dispatch_vs_rank_major", f.ms[EM_DISPATCH] / f.rm_dispatch_ms);
+    json_num(j, "combine_vs_rank_major", f.ms[EM_COMBINE] / f.rm_combine_ms);
+    json_num(j, "dispatch_vs_rank_major_per_row", f.ms[EM_DISPATCH] / f.rm_dispatch_ms / f.rows_ratio);
+    json_num(j, "combine_vs_rank_major_per_row", f.ms[EM_COMBINE] / f.rm_combine_ms / f.rows_ratio);
+    json_num(j, "rank_major_dispatch_plus_gather_ms", f.ms[EM_PAIR]);
+    json_num(j, "gather_ms", f.ms[EM_GATHER]);
+    json_num(j, "fused_speedup_over_pair", f.ms[EM_PAIR] / f.ms[EM_DISPATCH]);
+    json_num(j, "reused_dispatch_ms", f.ms[EM_REUSE]);
+    json_num(j, "reuse_saves_ms", f.ms[EM_DISPATCH] - f.ms[EM_REUSE]);
+    json_num(j, "layout_step_ms", f.layout_ms);
+    json_bool(j, "verified", b->verify_bad == 0);
+    json_end_obj(j);
+}
+
 /* The figures of one finished GPU run (threads joined). */
 static void gpu_phases(bench *b, phase_row ph[3])
 {
@@ -922,6 +1412,7 @@ static int gpu_run(bench *b, int S, phase_row ph[3])
     b->cfg.dispatch_sms = b->cfg.combine_sms = S;
     b->verify_bad = 0;
     free_results(b);
+    em_free(b);
     if (!b->o.as_json)
         fprintf(stderr, "[bench] %d SMs per rank: one checked call, then %d warm-up + %d timed "
                         "iterations\n", S, b->o.warmup, b->o.iters);
@@ -1065,6 +1556,11 @@ int hep_cmd_bench(int argc, char **argv)
         return cli_fail("bench", 1, "out of host memory for the inputs of %d ranks x %d tokens",
                         b.W, b.o.T);
     reached = experts_reached(&b);
+    if (b.o.layout_em && em_plan(&b))
+        return cli_fail("bench", 1, "out of host memory for the expert-major plan, or more than "
+                        "2^31 rows a rank");
+    em_json_bench = &b;
+    em_json_ph = ph;
     if (b.o.dump) {
         FILE *f = fopen(b.o.dump, "wb");
         if (!f)
@@ -1093,7 +1589,15 @@ int hep_cmd_bench(int argc, char **argv)
         }
         if (!b.o.as_json)
             report_text(&b, ph, 1, gpu_name, sm_count, reached);
-        return report_json(&b, ph, 1, gpu_name, reached, NULL, NULL);
+        if (!b.o.as_json && b.o.layout_em) {
+            double worst = 0;
+            for (int r = 0; r < b.W; r++)
+                worst = b.em[r].host_ms > worst ? b.em[r].host_ms : worst;
+            printf("expert-major (--pad-multiple %d, num_permuted_tokens %d): %.0f rows; its "
+                   "dispatch + combine (included above): %.1f ms on the slowest rank\n",
+                   b.o.pad, b.em_budget, b.em_rows, worst);
+        }
+        return report_json(&b, ph, 1, gpu_name, reached, b.o.layout_em ? em_json : NULL, NULL);
     }
     {
         struct cudaDeviceProp p;
@@ -1121,6 +1625,8 @@ int hep_cmd_bench(int argc, char **argv)
         printf("host launch skew across the %d rank threads (median, excluded below): %.1f us\n",
                b.W, phase_ms(&b, 3) * 1e3);
         report_text(&b, ph, 3, gpu_name, sm_count, reached);
+        if (b.o.layout_em)
+            em_report_text(&b, ph);
     }
-    return report_json(&b, ph, 3, gpu_name, reached, NULL, NULL);
+    return report_json(&b, ph, 3, gpu_name, reached, b.o.layout_em ? em_json : NULL, NULL);
 }

@@ -263,3 +263,42 @@ out:
         cudaStreamDestroy(lead);
     return rc;
 }
+
+// The gather a user runs after a rank-major dispatch to get expert-major rows: dst row p is
+// src row map[p] (or zeros where map[p] < 0, the padding), one 16-byte-vector loop a warp
+// per row over all warps of the grid, eight vectors a lane in flight.
+__global__ void __launch_bounds__(1024) k_gather_rows(const uint4 *src, uint4 *dst,
+                                                      const int *map, size_t rows,
+                                                      size_t vec_per_row)
+{
+    const unsigned lane = threadIdx.x & 31u;
+    const size_t nwarps = ((size_t)gridDim.x * blockDim.x) >> 5;
+    for (size_t r = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += nwarps) {
+        const int j = map[r];
+        const uint4 *s = src + (size_t)(j < 0 ? 0 : j) * vec_per_row;
+        uint4 *d = dst + r * vec_per_row;
+        for (size_t v = lane; v < vec_per_row; v += 32 * 8) {
+            uint4 x[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++)
+                if (v + (size_t)u * 32 < vec_per_row)
+                    x[u] = j < 0 ? make_uint4(0, 0, 0, 0) : __ldcs(s + v + (size_t)u * 32);
+#pragma unroll
+            for (int u = 0; u < 8; u++)
+                if (v + (size_t)u * 32 < vec_per_row)
+                    d[v + (size_t)u * 32] = x[u];
+        }
+    }
+}
+
+extern "C" int ceil_gather_rows(const void *src, void *dst, const int *map, size_t rows,
+                                size_t row_bytes, int blocks, void *stream)
+{
+    if (row_bytes % 16 || blocks < 1)
+        return (int)cudaErrorInvalidValue;
+    if (rows == 0)
+        return 0;
+    k_gather_rows<<<blocks, 1024, 0, (cudaStream_t)stream>>>((const uint4 *)src, (uint4 *)dst, map,
+                                                             rows, row_bytes / 16);
+    return (int)cudaGetLastError();
+}

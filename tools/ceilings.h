@@ -30,6 +30,12 @@ int ceil_same_sm_copy(int device, int blocks, size_t rows, size_t row_bytes, int
 int ceil_stream_copies(int device, int streams, size_t bytes, int iters, double *gbs, char *why,
                        size_t why_len);
 
+/* The separate gather into expert order that a rank-major dispatch needs: on `stream`,
+ * dst row p = src row map[p] (device int [rows]; < 0: a zero row), `blocks` blocks of
+ * 1024 threads. 0 or a cudaError_t of the launch (no CUDA: -1). */
+int ceil_gather_rows(const void *src, void *dst, const int *map, size_t rows, size_t row_bytes,
+                     int blocks, void *stream);
+
 /* SMs of `device`, or -1 with why. */
 int ceil_sm_count(int device, char *why, size_t why_len);
 

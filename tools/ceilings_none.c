@@ -34,3 +34,10 @@ int ceil_sm_count(int device, char *why, size_t why_len)
     snprintf(why, why_len, NO_CUDA);
     return -1;
 }
+
+int ceil_gather_rows(const void *src, void *dst, const int *map, size_t rows, size_t row_bytes,
+                     int blocks, void *stream)
+{
+    (void)src, (void)dst, (void)map, (void)rows, (void)row_bytes, (void)blocks, (void)stream;
+    return -1;
+}

@@ -270,13 +270,19 @@ typedef struct hep_dispatch_opts {
     float *recv_scales;        /* FP8: [rows, H / 128] (expert-major: required) */
     /* outputs (valid once the call returned 0 or HEP_WARN_IGNORED) */
     int num_permuted;          /* expert-major rows written (padding included); rank-major:
-                                  num_recv */
-    int overflow;              /* 1: rows past the budget were dropped */
-    int overflow_rows;         /* token rows dropped (padding not counted) */
+                                  num_recv. GPU with HEP_ASYNC: -1 (see permuted_device) */
+    int overflow;              /* 1: rows past the budget were dropped (GPU, HEP_ASYNC: -1) */
+    int overflow_rows;         /* token rows dropped, padding not counted (GPU, HEP_ASYNC: -1) */
     size_t copy_bytes;         /* bytes this call wrote into caller memory (recv_*) */
     const int64_t *tokens_per_expert; /* host [E_l]: expert-major padded rows per local
-                                  expert; rank-major: NULL. In the handle's memory: valid
-                                  while the handle holds this layout */
+                                  expert; rank-major, and GPU with HEP_ASYNC: NULL. In the
+                                  handle's memory: valid while the handle holds this layout */
+    const int *permuted_device; /* expert-major: [3] num_permuted, overflow, overflow_rows,
+                                  and ... */
+    const int64_t *tokens_per_expert_device; /* ... [E_l] tokens_per_expert, where the
+                                  backend writes them (GPU: device memory of the handle, valid
+                                  once the stream passed this dispatch, also in graph replays;
+                                  host backend: host memory); rank-major: NULL */
 } hep_dispatch_opts;
 
 /* hep_dispatch with the options above (NULL opts: hep_dispatch). Flags: HEP_ASYNC,
@@ -286,8 +292,11 @@ typedef struct hep_dispatch_opts {
  * pad_multiple or budget, a missing expert-major buffer; HEP_ERR_UNAVAILABLE for what a
  * backend lacks (the message names it): the GPU kernels have handles, reuse and caller
  * outputs (rank-major, copied from the group's buffers after the kernel: copy_bytes counts
- * them in the blocking mode, 0 with HEP_ASYNC) with one node, not the expert-major layout
- * and nothing of this across nodes; the host backend has all of them except expert-major
+ * them in the blocking mode, 0 with HEP_ASYNC) with one node, and the expert-major layout
+ * with one node, a caller handle and the node's ranks in one process (written by the
+ * dispatch kernel straight into every node-mate's recv_*; every rank of a call must use
+ * the expert-major layout alike; the counts reach the host in the blocking mode only),
+ * nothing of this across nodes; the host backend has all of them except expert-major
  * across processes. */
 int hep_dispatch_ex(hep_group *g, const hep_dispatch_args *a, hep_dispatch_opts *opts,
                     hep_dispatch_result *out);
@@ -299,10 +308,13 @@ typedef struct hep_combine_opts {
 } hep_combine_opts;
 
 /* hep_combine with the options above (NULL opts: hep_combine). expert_out is [num_recv, H]
- * (rank-major) or [num_permuted_tokens, H] (expert-major) BF16 caller memory. The GPU
- * kernels copy it (and probs_in) into the group's exchange buffers, where the node-mates
- * read it; that copy waits on the device until every node-mate finished the previous
- * combine. Errors as hep_combine, and HEP_ERR_INVALID for a handle of another group or
+ * (rank-major) or [num_permuted_tokens, H] (expert-major) BF16 caller memory. Rank-major,
+ * the GPU kernels copy it (and probs_in) into the group's exchange buffers, where the
+ * node-mates read it; that copy waits on the device until every node-mate finished the
+ * previous combine. Expert-major, the node-mates read expert_out and probs_in where they
+ * are, and this rank's combine kernel ends only once every node-mate finished reading
+ * them (hep_combine_input(g) is refused).
+ * Errors as hep_combine, and HEP_ERR_INVALID for a handle of another group or
  * without a layout, probs_in without probs_out, expert_out == hep_combine_input(g) when
  * that buffer no longer holds the handle's rows (another dispatch or a combine ran since);
  * HEP_ERR_UNAVAILABLE: the GPU kernels across nodes, or probabilities without a caller

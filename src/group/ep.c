@@ -412,6 +412,69 @@ static size_t copied_bytes(const hep_group *g, const hep_dispatch_opts *x, int r
     return b;
 }
 
+/* The expert-major arguments of a GPU dispatch (one node, a caller handle): the handle's
+ * positions and words, this rank's caller outputs; or none (em = 0). */
+static void em_setup(hep_group *g, hep_handle *h, const hep_dispatch_opts *x, int reuse, int em)
+{
+    hep_kargs *k = g->kargs;
+    (void)reuse;
+    k->emajor = em;
+    if (!em)
+        return;
+    k->epos = h->d_epos;
+    k->ebase = h->d_ebase;
+    k->ebc = h->d_ebc;
+    k->em = h->d_em;
+    k->tpe64 = (long long *)h->d_tpe;
+    k->em_tokens = x->recv_tokens;
+    k->em_probs = x->recv_probs;
+    k->em_scales = g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? x->recv_scales : NULL;
+}
+
+/* Bytes of one expert-major row in caller memory: the row, its probability, its scales. */
+static size_t em_row_bytes(const hep_group *g)
+{
+    const size_t H = (size_t)g->cfg.hidden;
+    return g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? H + 4 + H / HEP_FP8_BLOCK * 4 : 2 * H + 4;
+}
+
+/* After an expert-major GPU dispatch (status rc): the options' outputs. Blocking: the
+ * handle's words and padded tokens per expert copied to the host; HEP_ASYNC: only their
+ * device addresses (the host fields are -1 / NULL). 0, or the copy's error. */
+static int em_report(hep_group *g, hep_handle *h, hep_dispatch_opts *x,
+                     const hep_dispatch_args *a, int rc)
+{
+    const size_t El = (size_t)g->cfg.experts_per_rank;
+    int w[3] = {-1, -1, -1};
+    x->permuted_device = h->d_em;
+    x->tokens_per_expert_device = h->d_tpe;
+    x->tokens_per_expert = NULL;
+    x->copy_bytes = 0;
+    if ((rc != HEP_OK && rc != HEP_WARN_IGNORED) || (a->flags & HEP_ASYNC)) {
+        x->num_permuted = x->overflow = x->overflow_rows = -1;
+        h->num_permuted = h->budget; /* unknown on the host: the most it can be */
+        return HEP_OK;
+    }
+    {
+        cudaError_t e = cudaMemcpyAsync(w, h->d_em, sizeof(w), cudaMemcpyDeviceToHost,
+                                        (cudaStream_t)a->stream);
+        if (e == cudaSuccess)
+            e = cudaMemcpyAsync(h->tpe, h->d_tpe, El * sizeof(int64_t), cudaMemcpyDeviceToHost,
+                                (cudaStream_t)a->stream);
+        if (e == cudaSuccess)
+            e = cudaStreamSynchronize((cudaStream_t)a->stream);
+        if (e != cudaSuccess)
+            return cuda_status(e, "hep_dispatch_ex: reading the expert-major counts");
+    }
+    h->num_permuted = x->num_permuted = w[HEP_EM_NUM_PERMUTED];
+    h->overflow = x->overflow = w[HEP_EM_OVERFLOW];
+    h->overflow_rows = x->overflow_rows = w[HEP_EM_OVERFLOW_ROWS];
+    x->tokens_per_expert = h->tpe;
+    x->copy_bytes = (size_t)x->num_permuted * em_row_bytes(g);
+    g->copy_bytes += x->copy_bytes;
+    return HEP_OK;
+}
+
 /* The GPU dispatch. x: the options (NULL: none); h: the caller handle to record into or,
  * with HEP_REUSE_LAYOUT, to read (NULL: the one-shot layout in the group's buffers). */
 static int gpu_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_opts *x,
@@ -419,10 +482,12 @@ static int gpu_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_o
 {
     hep_kargs *k = g->kargs;
     const int reuse = (a->flags & HEP_REUSE_LAYOUT) != 0;
-    const int copy = x && (x->recv_tokens || x->recv_probs ||
-                           (x->recv_scales && g->cfg.dtype == HEP_DTYPE_FP8_E4M3));
+    const int em = h && (reuse ? h->layout : (int)x->layout) == HEP_LAYOUT_EXPERT_MAJOR;
+    const int copy = x && !em && (x->recv_tokens || x->recv_probs ||
+                                  (x->recv_scales && g->cfg.dtype == HEP_DTYPE_FP8_E4M3));
     int rc;
     use_layout(g, h);
+    em_setup(g, h, x, reuse, em);
     k->reuse = reuse;
     k->cap = g->cfg.max_recv_rows;
     k->rec_ids = h && !reuse ? h->d_ids : NULL;
@@ -447,8 +512,13 @@ static int gpu_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_o
         h->epoch = 0; /* holds no layout until this dispatch recorded it */
         h->t = a->num_tokens;
         h->topk = a->topk;
-        h->layout = HEP_LAYOUT_RANK_MAJOR;
-        h->pad = 1;
+        h->layout = em ? HEP_LAYOUT_EXPERT_MAJOR : HEP_LAYOUT_RANK_MAJOR;
+        h->pad = em && x->pad_multiple > 0 ? x->pad_multiple : 1;
+        h->budget = em ? x->num_permuted_tokens : 0;
+    }
+    if (em) {
+        k->pad = h->pad;
+        k->budget = h->budget;
     }
     if (g->N > 1) {
         rc = start_network(g, 0, g->cfg.dispatch_sms, a->stream, g->epoch + 1);
@@ -469,6 +539,8 @@ static int gpu_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_o
         return cuda_status((cudaError_t)rc, "hep_dispatch: kernel launch");
     g->last_t = a->num_tokens;
     g->x_epoch = ++g->epoch; /* exchange.token holds this call's rows */
+    if (em)
+        g->x_epoch = 0; /* the expert-major rows are in caller memory only */
     g->last_handle = h ? 0 : hep_handle_of(g, g->epoch);
     if (h)
         h->epoch = g->epoch;
@@ -484,10 +556,16 @@ static int gpu_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_o
     }
     if ((rc == HEP_OK || rc == HEP_WARN_IGNORED) && !(a->flags & HEP_ASYNC))
         o->num_recv = o->host_counts[0];
+    if (x && em) {
+        int erc = em_report(g, h, x, a, rc);
+        return erc ? erc : rc;
+    }
     if (x) {
         x->num_permuted = o->num_recv;
         x->overflow = x->overflow_rows = 0;
         x->tokens_per_expert = NULL;
+        x->permuted_device = NULL;
+        x->tokens_per_expert_device = NULL;
         /* the count is on the host in the blocking mode only */
         x->copy_bytes = copy && o->num_recv > 0 ? copied_bytes(g, x, o->num_recv) : 0;
         g->copy_bytes += x->copy_bytes;
@@ -554,10 +632,24 @@ static int check_dispatch_opts(hep_group *g, const hep_dispatch_args *a, const h
                         "hep_dispatch_ex: the expert-major layout writes into caller memory: "
                         "recv_tokens, recv_probs%s must be given",
                         fp8 ? " and recv_scales (FP8)" : "");
-    if (g->cfg.backend == HEP_BACKEND_GPU && layout != HEP_LAYOUT_RANK_MAJOR)
+    if (g->cfg.backend == HEP_BACKEND_GPU && layout == HEP_LAYOUT_EXPERT_MAJOR && g->N > 1)
         return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "hep_dispatch_ex: the expert-major layout is not implemented by the GPU "
-                        "kernels yet (the host backend has it): use the rank-major layout");
+                        "hep_dispatch_ex: the expert-major layout is implemented by the GPU "
+                        "kernels for one node only, not across %d nodes (the host backend has "
+                        "it): use the rank-major layout",
+                        g->N);
+    if (g->cfg.backend == HEP_BACKEND_GPU && layout == HEP_LAYOUT_EXPERT_MAJOR && !x->handle)
+        return hep_fail(HEP_ERR_UNAVAILABLE,
+                        "hep_dispatch_ex: the GPU kernels record the expert-major layout in a "
+                        "caller handle only (its positions live in the handle's device memory): "
+                        "pass hep_dispatch_opts.handle (hep_handle_create)");
+    if (g->cfg.backend == HEP_BACKEND_GPU && layout == HEP_LAYOUT_EXPERT_MAJOR &&
+        !g->mates_one_process)
+        return hep_fail(HEP_ERR_UNAVAILABLE,
+                        "hep_dispatch_ex: the GPU kernels write expert-major rows straight into "
+                        "the node-mates' caller memory, which needs every rank of the node in "
+                        "one process (threads); this node's ranks are in several processes: use "
+                        "the rank-major layout");
     if (g->cfg.backend == HEP_BACKEND_GPU && g->N > 1 &&
         (x->handle || x->recv_tokens || x->recv_probs || x->recv_scales))
         return hep_fail(HEP_ERR_UNAVAILABLE,
@@ -616,15 +708,21 @@ static int gpu_combine(hep_group *g, const hep_combine_args *a, const hep_handle
     hep_kargs *k = g->kargs;
     const void *x = hep_my_buf(g, HEP_BUF_TOKEN_X);
     const uint64_t epoch = h ? h->epoch : g->epoch;
+    const int em = h && h->layout == HEP_LAYOUT_EXPERT_MAJOR;
     int rc = 0;
-    if (a->expert_out == x && g->x_epoch != epoch)
+    if (!em && a->expert_out == x && g->x_epoch != epoch)
         return hep_fail(HEP_ERR_INVALID,
                         "hep_combine: expert_out is hep_combine_input(g), but that buffer no longer "
                         "holds this layout's rows (%s): pass the expert outputs from memory of "
                         "your own",
                         g->x_epoch == 0 ? "a combine ran since its dispatch"
                                         : "another dispatch ran since");
+    if (em && a->expert_out == x && (h->num_permuted > 0 || h->t > 0))
+        return hep_fail(HEP_ERR_INVALID,
+                        "hep_combine: expert_out is hep_combine_input(g), but an expert-major "
+                        "layout is combined from caller memory of [num_permuted_tokens, H] rows");
     use_layout(g, h);
+    k->emajor = em;
     k->t = h ? h->t : g->last_t;
     if (h) {
         k->K = h->topk;
@@ -637,9 +735,13 @@ static int gpu_combine(hep_group *g, const hep_combine_args *a, const hep_handle
     k->combine_out = a->out;
     k->combine_in = a->expert_out && a->expert_out != x ? a->expert_out : NULL;
     k->x_stride_in = g->cfg.hidden * 2;
+    if (em) { /* read where they are: the node-mates' kernels take these pointers */
+        k->epos = h->d_epos;
+        k->combine_in = a->expert_out;
+    }
     if (g->N > 1 && (rc = start_network(g, 1, g->cfg.combine_sms, a->stream, g->epoch)))
         return rc;
-    if (k->combine_in || k->probs_in)
+    if (!em && (k->combine_in || k->probs_in))
         rc = hep_launch_copy_in(k, 64, a->stream);
     if (rc == 0)
         rc = hep_launch_combine(k, g->cfg.combine_sms, a->stream);

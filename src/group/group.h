@@ -89,6 +89,7 @@ struct hep_handle {
     int t, topk, recv;   /* tokens and slots of the dispatch; rows it received */
     int layout, pad, budget; /* hep_layout, pad_multiple, num_permuted_tokens */
     int num_permuted, overflow, overflow_rows;
+    int em_words[3];     /* host backend: the three above, for permuted_device */
     int *ids;            /* [T][kmax] the dispatch's routing (invalid ids and unused as -1) */
     float *w;            /* [T][kmax] its weights (0 past topk) */
     float *w_scratch;    /* [T][kmax] a reuse's caller weights widened to kmax */
@@ -108,6 +109,14 @@ struct hep_handle {
                             tokens per local expert */
     int *d_ids;          /* [T][kmax] the routing (int32, -1 = none), with the row width topk */
     float *d_w;          /* [T][kmax] its weights */
+    /* expert-major (see kernels/dispatch.cu): */
+    int *d_epos;         /* [T][kmax] each own slot's row in its destination's expert-major
+                            output (first slot of an expert only; -1: none or dropped) */
+    int *d_ebase;        /* [R][El] this rank's first row in each node-mate's block e */
+    int *d_ebc;          /* [S][R][El] scratch: each dispatch block's counts per expert */
+    int *d_em;           /* [HEP_EM_WORDS] num_permuted, overflow, overflow_rows, then per
+                            local expert its data end and padding end (clipped) */
+    int64_t *d_tpe;      /* [El] padded rows per local expert as written */
 };
 /* group/handle.c */
 struct hep_handle *hep_handle_alloc(const hep_group *g);

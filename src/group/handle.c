@@ -6,13 +6,19 @@
 
 #include "core/core.h"
 #include "group/group.h"
+#include "kernels/ep_kernels.h"
 
 /* The GPU layout of a handle (one node): one allocation on the group's GPU. */
 static int handle_device(const hep_group *g, struct hep_handle *h)
 {
     const size_t T = (size_t)g->cfg.max_tokens, K = (size_t)g->cfg.max_topk;
     const size_t R = (size_t)g->R, El = (size_t)g->cfg.experts_per_rank;
-    const size_t ints = T * R + R + 2 + El + T * K, bytes = (ints + T * K) * 4;
+    const size_t S = (size_t)g->cfg.dispatch_sms;
+    /* rank-major: rows, meta, counts, ids, weights; expert-major: positions, bases, the
+     * blocks' counts, the words and padding ranges, then the int64 tokens per expert */
+    const size_t ints = T * R + R + 2 + El + T * K + T * K + T * K + R * El + S * R * El +
+                        HEP_EM_WORDS + 2 * El;
+    const size_t ints8 = (ints + 1) & ~(size_t)1, bytes = ints8 * 4 + El * 8;
     int prev = -1;
     cudaError_t e = cudaGetDevice(&prev);
     if (e == cudaSuccess && prev != g->device)
@@ -37,6 +43,11 @@ static int handle_device(const hep_group *g, struct hep_handle *h)
     h->d_counts = h->d_meta + R;
     h->d_ids = h->d_counts + 2 + El;
     h->d_w = (float *)(h->d_ids + T * K);
+    h->d_epos = (int *)(h->d_w + T * K);
+    h->d_ebase = h->d_epos + T * K;
+    h->d_ebc = h->d_ebase + R * El;
+    h->d_em = h->d_ebc + S * R * El;
+    h->d_tpe = (int64_t *)((int *)h->dev + ints8);
     return HEP_OK;
 }
 

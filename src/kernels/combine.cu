@@ -230,6 +230,131 @@ __device__ __forceinline__ void combine_done(const hep_kargs &a, unsigned long l
     }
 }
 
+// ---- the expert-major layout (N = 1): rows read straight from the node-mates' caller
+// memory (their expert_out, published before COMBINE_READY), at the positions the handle's
+// dispatch recorded (epos); a token's rows summed by ascending global expert, i.e. by
+// destination rank and within it by local expert: the host backend's order.
+
+// One warp: out = the f32 sum of n rows (lane j < n holds the j-th row's address), in
+// order, rounded once; CU vectors a lane of two rows in flight, as sum_rows<4, 2>.
+template <int CU>
+__device__ __forceinline__ void em_sum_rows(const char *src, int n, size_t rb, uint4 *out)
+{
+    const int lane = threadIdx.x & 31;
+    const int nvec = (int)(rb / 16);
+    const int passes = (nvec + 32 * CU - 1) / (32 * CU);
+    const int per_pass = ((nvec + passes - 1) / passes + 31) & ~31;
+    for (int v0 = 0; v0 < nvec; v0 += per_pass) {
+        const int v1 = min(nvec, v0 + per_pass);
+        float f[CU][8];
+#pragma unroll
+        for (int u = 0; u < CU; u++)
+#pragma unroll
+            for (int q = 0; q < 8; q++)
+                f[u][q] = -0.0f;
+        for (int j = 0; j < n; j += 2) {
+            const uint4 *p0 = (const uint4 *)__shfl_sync(FULL, (unsigned long long)src, j);
+            const uint4 *p1 = (const uint4 *)__shfl_sync(FULL, (unsigned long long)src, j + 1);
+            const bool two = j + 1 < n;
+            uint4 v[2][CU];
+#pragma unroll
+            for (int u = 0; u < CU; u++) {
+                const int k = v0 + u * 32 + lane;
+                v[0][u] = k < v1 ? LD_ROW(p0 + k) : make_uint4(0, 0, 0, 0);
+                v[1][u] = two && k < v1 ? LD_ROW(p1 + k) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < CU; u++)
+                acc8(f[u], v[0][u]);
+            if (two)
+#pragma unroll
+                for (int u = 0; u < CU; u++)
+                    acc8(f[u], v[1][u]);
+        }
+#pragma unroll
+        for (int u = 0; u < CU; u++) {
+            const int k = v0 + u * 32 + lane;
+            if (k < v1)
+                out[k] = pack8(f[u]);
+        }
+    }
+}
+
+// One warp: own token i's expert-major rows (lane k: slot k's row at its destination, -1
+// for none, a repeated slot or a dropped row) summed into `out`.
+__device__ __forceinline__ void em_combine_row(const hep_kargs &a, const char *const *s_x, int i,
+                                               uint4 *out)
+{
+    const int lane = threadIdx.x & 31, El = a.El, K = a.K;
+    const size_t rb = (size_t)a.H * 2;
+    const int pos = lane < K ? a.epos[(size_t)i * K + lane] : -1;
+    const int x = pos >= 0 ? a.rec_ids[(size_t)i * K + lane] : 0x7fffffff;
+    const unsigned vm = __ballot_sync(FULL, pos >= 0);
+    const int n = __popc(vm);
+    const char *mine = pos >= 0 ? s_x[x / El] + (size_t)pos * rb : NULL;
+    if (n == 0) { /* no row: the empty sum, -0.0 in every channel */
+        const uint4 z = make_uint4(0x80008000u, 0x80008000u, 0x80008000u, 0x80008000u);
+        for (int k = lane; k < (int)(rb / 16); k += 32)
+            out[k] = z;
+        return;
+    }
+    if (n == 1) {
+        copy_row((const uint4 *)__shfl_sync(FULL, (unsigned long long)mine, __ffs(vm) - 1), out,
+                 rb);
+        return;
+    }
+    // lane j gets the row of rank j by ascending expert id (the ids are distinct)
+    int rank = 0, who = 0;
+    for (unsigned m = vm; m; m &= m - 1) {
+        const int j = __ffs(m) - 1;
+        rank += __shfl_sync(FULL, x, j) < x;
+    }
+    for (unsigned m = vm; m; m &= m - 1) {
+        const int j = __ffs(m) - 1;
+        if (__shfl_sync(FULL, rank, j) == lane)
+            who = j;
+    }
+    const char *ranked = (const char *)__shfl_sync(FULL, (unsigned long long)mine, who);
+    em_sum_rows<4>(ranked, n, rb, out);
+}
+
+// The probabilities through combine from expert-major rows: probs_out[i][x] = the row's
+// value in destination d's probs_in for every expert x of a written row; 0 elsewhere.
+__device__ void em_combine_probs(const hep_kargs &a, const float *const *s_pin, int gw, int nw)
+{
+    const int lane = threadIdx.x & 31, El = a.El, K = a.K;
+    const size_t E = (size_t)El * a.R;
+    for (int i = gw; i < a.t; i += nw) {
+        float *po = a.probs_out + (size_t)i * E;
+        for (size_t j = (size_t)lane; j < E; j += 32)
+            po[j] = 0.f;
+        __syncwarp();
+        const int pos = lane < K ? a.epos[(size_t)i * K + lane] : -1;
+        if (pos >= 0) {
+            const int x = a.rec_ids[(size_t)i * K + lane];
+            const float *pin = s_pin[x / El];
+            if (pin)
+                po[x] = __ldcg(pin + pos);
+        }
+        __syncwarp();
+    }
+}
+
+// EM: after combine_done, the last block of this rank waits until every node-mate has
+// finished reading this rank's expert_out (their COMBINE_DONE >= c): the caller may reuse
+// that memory once the kernel ended.
+__device__ __forceinline__ void em_wait_readers(const hep_kargs &a, unsigned long long c)
+{
+    __shared__ int s_last_em;
+    if (threadIdx.x == 0)
+        s_last_em = ld_relaxed(a.cepoch) >= c;
+    __syncthreads();
+    if (s_last_em && (int)threadIdx.x < a.R)
+        wait_mate(a, a.flags[threadIdx.x] + HEP_FLAG_COMBINE_DONE, c, HEP_STAGE_COMBINE,
+                  threadIdx.x);
+}
+
+template <bool EM>
 __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
 {
     const int R = a.R, N = a.N, tid = threadIdx.x, S = gridDim.x, b = blockIdx.x;
@@ -238,6 +363,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     const size_t rb = (size_t)a.H * 2, T = (size_t)a.T;
     const unsigned long long e = *a.epoch, c = *a.cepoch + 1;
     __shared__ const char *s_x[HEP_GPU_MAX_LOCAL]; /* see k_dispatch */
+    __shared__ const float *s_pin[HEP_GPU_MAX_LOCAL]; /* EM: the node-mates' probs_in */
     __shared__ int s_last;
     if (ld_l2(a.over)) /* the dispatch exceeded the capacity: no layout (every rank alike) */
         return;
@@ -259,15 +385,23 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
         st_release(a.px + HEP_PX_WORD(N, 1, tid) + 3 * HEP_PX_MAX_BLOCKS + 1, e);
     }
     if (b == 0 && tid == 0) {
+        if (EM) { /* where the node-mates read this rank's rows and probabilities */
+            a.flags[a.local][HEP_FLAG_EM_COMBINE_IN] = (unsigned long long)(uintptr_t)a.combine_in;
+            a.flags[a.local][HEP_FLAG_EM_PROBS_IN] = (unsigned long long)(uintptr_t)a.probs_in;
+        }
         fence_peers(a);
         st_release_peers(a, a.flags[a.local] + HEP_FLAG_COMBINE_READY, c);
     }
     bool ok = true;
     if (tid < R)
         ok = wait_mate(a, a.flags[tid] + HEP_FLAG_COMBINE_READY, c, HEP_STAGE_COMBINE, tid);
+    if (EM && tid < R && ok) {
+        s_x[tid] = (const char *)(uintptr_t)ld_relaxed(a.flags[tid] + HEP_FLAG_EM_COMBINE_IN);
+        s_pin[tid] = (const float *)(uintptr_t)ld_relaxed(a.flags[tid] + HEP_FLAG_EM_PROBS_IN);
+    }
     if (!block_all(ok))
         return;
-    if (N > 1) {
+    if (!EM && N > 1) {
         for (int L = 0; L < N; L++) {
             if (L == a.node)
                 continue;
@@ -309,9 +443,13 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
 #ifdef HEP_STATIC_TOKENS
     int w0, w1;
     warp_range(0, a.t, gw, nw, w0, w1);
-    for (int i = w0; i < w1; i++)
-        combine_row(a, s_x, a.node, i, mybase, (uint4 *)((char *)a.combine_out + (size_t)i * rb),
-                    parts);
+    for (int i = w0; i < w1; i++) {
+        uint4 *out = (uint4 *)((char *)a.combine_out + (size_t)i * rb);
+        if (EM)
+            em_combine_row(a, s_x, i, out);
+        else
+            combine_row(a, s_x, a.node, i, mybase, out, parts);
+    }
 #else
     // Every warp of the rank takes the next GRAB own tokens from the rank's work counter
     // until none are left, so that no warp idles while another still has rows: the rank
@@ -324,16 +462,26 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
         int pending = 0;
         if (lane == 0)
             pending = (int)atomicAdd(work, GRAB);
-        for (int i = i0; i < min(a.t, i0 + GRAB); i++)
-            combine_row(a, s_x, a.node, i, mybase,
-                        (uint4 *)((char *)a.combine_out + (size_t)i * rb), parts);
+        for (int i = i0; i < min(a.t, i0 + GRAB); i++) {
+            uint4 *out = (uint4 *)((char *)a.combine_out + (size_t)i * rb);
+            if (EM)
+                em_combine_row(a, s_x, i, out);
+            else
+                combine_row(a, s_x, a.node, i, mybase, out, parts);
+        }
         next = __shfl_sync(FULL, pending, 0);
     }
     (void)gw, (void)nw;
 #endif
-    if (a.probs_out)
-        combine_probs(a, gw, nw);
+    if (a.probs_out) {
+        if (EM)
+            em_combine_probs(a, s_pin, gw, nw);
+        else
+            combine_probs(a, gw, nw);
+    }
     combine_done(a, c);
+    if (EM)
+        em_wait_readers(a, c);
 }
 
 // Copy the caller's expert outputs into this rank's X and its probs_in into its prob
@@ -394,7 +542,10 @@ __global__ void k_copy_out(hep_kargs a)
 
 extern "C" int hep_launch_combine(const hep_kargs *a, int blocks, void *stream)
 {
-    k_combine<<<blocks, COMBINE_THREADS, 0, (cudaStream_t)stream>>>(*a);
+    if (a->emajor)
+        k_combine<true><<<blocks, COMBINE_THREADS, 0, (cudaStream_t)stream>>>(*a);
+    else
+        k_combine<false><<<blocks, COMBINE_THREADS, 0, (cudaStream_t)stream>>>(*a);
     return (int)cudaGetLastError();
 }
 
@@ -413,7 +564,9 @@ extern "C" int hep_launch_copy_out(const hep_kargs *a, int blocks, void *stream)
 extern "C" int hep_preload_combine(void)
 {
     cudaFuncAttributes fa;
-    cudaError_t e = cudaFuncGetAttributes(&fa, (const void *)k_combine);
+    cudaError_t e = cudaFuncGetAttributes(&fa, (const void *)k_combine<false>);
+    if (e == cudaSuccess)
+        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<true>);
     if (e == cudaSuccess)
         e = cudaFuncGetAttributes(&fa, (const void *)k_copy_in);
     if (e == cudaSuccess)

@@ -165,6 +165,11 @@ __device__ void record_routing(const hep_kargs &a)
     }
 }
 
+#include "kernels/expert_major.cuh"
+
+// EM: the expert-major layout (one node, kernels/expert_major.cuh); the rank-major kernel
+// is the EM = false instance, its loops untouched.
+template <bool EM>
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
 {
     extern __shared__ int sm[];
@@ -183,6 +188,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
         s_scale[j] = a.scale[j];
     }
     int *mine = a.counts[a.local] + (size_t)(e & 1) * N * R * (a.El + 1);
+    if (EM && b == 0 && tid == 0)
+        em_publish_outputs(a);
 
     if (a.reuse) { // a handle's layout (N = 1): only the barrier of the layout step
         grid_arrive(a.grid_arrive);
@@ -198,8 +205,12 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
         } else if (!grid_wait(a, a.layout_ready, e)) {
             return;
         }
-        if (!ld_l2(a.over))
-            push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale);
+        if (!ld_l2(a.over)) {
+            if (EM)
+                em_push(a, s, s_x, s_prob, s_scale);
+            else
+                push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale);
+        }
         arrive_all(a, e);
         return;
     }
@@ -207,6 +218,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     if (a.rec_ids)
         record_routing(a);
     scan_list(a, list_of(a, a.node), a.node, true, s, mine);
+    if (EM)
+        em_sweep(a, s);
     grid_arrive(a.grid_arrive);
     if (!grid_wait(a, a.grid_arrive, e * (unsigned long long)S))
         return;
@@ -215,6 +228,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     if (b == 0) {
         if (!layout_publish(a, e, s))
             return;
+        if (EM)
+            em_layout(a, e, s);
         const unsigned long long t_layout = now_ns();
         if (tid == 0) {
             __threadfence();
@@ -228,6 +243,12 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     // 3. push the own tokens (while the other nodes' rows may still travel), then theirs;
     // nothing when the layout exceeded the receive capacity (every rank decided the same)
     const bool over = a.cap && ld_l2(a.over);
+    if (EM) { /* one node only (group/ep.c refuses it across nodes) */
+        if (!over)
+            em_push(a, s, s_x, s_prob, s_scale);
+        arrive_all(a, e);
+        return;
+    }
     if (!over)
         push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale);
     if (N > 1) {
@@ -260,17 +281,20 @@ extern "C" int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream)
 {
     size_t smem = hep_dispatch_smem(a->R, a->El);
     cudaError_t e = cudaSuccess;
+    void (*k)(hep_kargs) = a->emajor ? k_dispatch<true> : k_dispatch<false>;
     if (smem > 48 * 1024)
-        e = cudaFuncSetAttribute(k_dispatch, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 (int)smem);
+        e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess)
         return (int)e;
-    k_dispatch<<<blocks, DISPATCH_THREADS, smem, (cudaStream_t)stream>>>(*a);
+    k<<<blocks, DISPATCH_THREADS, smem, (cudaStream_t)stream>>>(*a);
     return (int)cudaGetLastError();
 }
 
 extern "C" int hep_preload_dispatch(void)
 {
     cudaFuncAttributes fa;
-    return (int)cudaFuncGetAttributes(&fa, (const void *)k_dispatch);
+    cudaError_t e = cudaFuncGetAttributes(&fa, (const void *)k_dispatch<false>);
+    if (e == cudaSuccess)
+        e = cudaFuncGetAttributes(&fa, (const void *)k_dispatch<true>);
+    return (int)e;
 }

@@ -45,6 +45,15 @@
 
 /* Layout of a rank's flags buffer (u64 monotonic counters), in words. */
 #define HEP_FLAG_COUNTS_READY 0     /* this rank published its counts for call e */
+/* Expert-major (N = 1): where this rank's caller memory is, for its node-mates' kernels.
+ * Dispatch writes the first three before its COUNTS_READY = e, combine the last two before
+ * its COMBINE_READY = c; each call's kernel ends only after every node-mate has finished
+ * reading through them (dispatch: their arrivals; combine: their COMBINE_DONE). */
+#define HEP_FLAG_EM_TOKENS 1        /* recv_tokens of the expert-major dispatch */
+#define HEP_FLAG_EM_PROBS 2         /* recv_probs */
+#define HEP_FLAG_EM_SCALES 3        /* recv_scales (FP8) */
+#define HEP_FLAG_EM_COMBINE_IN 4    /* the expert-major combine's expert_out */
+#define HEP_FLAG_EM_PROBS_IN 5      /* its probs_in (or 0) */
 #define HEP_FLAG_COMBINE_READY 8    /* this rank's combine input rows are in place for call e */
 #define HEP_FLAG_HOST_DONE 9        /* host backend: this rank finished reading, call e (dispatch; + 1: combine) */
 #define HEP_FLAG_BLAME 11           /* 0, or 1 + the rank this rank's kernels gave up on */
@@ -69,6 +78,14 @@
 #define HEP_WORK_COMBINE 0
 #define HEP_WORK_COMBINE_DONE 1
 #define HEP_WORK_WORDS 2
+
+/* A handle's expert-major words (device ints): rows written (padding included), 1 if rows
+ * went past the budget, token rows dropped; then from HEP_EM_WORDS, per local expert e,
+ * [2e] the end of its data rows and [2e + 1] the end of its padding, clipped to the budget. */
+#define HEP_EM_NUM_PERMUTED 0
+#define HEP_EM_OVERFLOW 1
+#define HEP_EM_OVERFLOW_ROWS 2
+#define HEP_EM_WORDS 8
 
 #define HEP_COUNT_BLOCK_WORDS(R, El) (((R) * ((El) + 1) + 1) / 2)
 
@@ -183,6 +200,16 @@ typedef struct hep_kargs {
     const unsigned long long *part_words; /* combine.rdma_inter_node_group_flags */
     unsigned long long *px;          /* mapped: the proxy's ready counters (HEP_PX_*) */
     int rank0;                       /* global rank of local rank 0 of this node */
+    /* the expert-major layout (N = 1; kernels/dispatch.cu, "Expert-major") */
+    int emajor;                      /* 1: rows at expert-major positions in caller memory */
+    int pad, budget;                 /* pad_multiple, num_permuted_tokens */
+    int *epos;                       /* [t][K] the handle's d_epos */
+    int *ebase;                      /* [R][El] d_ebase */
+    int *ebc;                        /* [S][R][El] d_ebc */
+    int *em;                         /* d_em */
+    long long *tpe64;                /* [El] d_tpe */
+    void *em_tokens;                 /* dispatch: this rank's recv_tokens ... */
+    float *em_probs, *em_scales;     /* ... recv_probs, recv_scales */
 } hep_kargs;
 
 #ifdef __cplusplus

@@ -1046,6 +1046,10 @@ int hep_host_dispatch_ex(hep_group *g, const hep_dispatch_args *a0, hep_dispatch
     x->overflow = h->layout == HEP_LAYOUT_EXPERT_MAJOR ? h->overflow : 0;
     x->overflow_rows = h->layout == HEP_LAYOUT_EXPERT_MAJOR ? h->overflow_rows : 0;
     x->tokens_per_expert = h->layout == HEP_LAYOUT_EXPERT_MAJOR ? h->tpe : NULL;
+    h->em_words[0] = h->num_permuted, h->em_words[1] = h->overflow;
+    h->em_words[2] = h->overflow_rows;
+    x->permuted_device = h->layout == HEP_LAYOUT_EXPERT_MAJOR ? h->em_words : NULL;
+    x->tokens_per_expert_device = x->tokens_per_expert;
     if (x->recv_tokens)
         o->tokens = x->recv_tokens;
     if (x->recv_probs)

@@ -1,0 +1,279 @@
+// kernels/expert_major.cuh: the expert-major layout of the dispatch kernel (N = 1), fused
+// into k_dispatch<true> (dispatch.cu): every (token, local expert) row goes straight to its
+// expert-major position in the destination's caller memory. Included by dispatch.cu only.
+//
+// Positions (the host backend's, hybridep.h "Layouts"): at destination d, local expert e's
+// block starts at EB_d[e] = the padded sizes of the blocks before it; inside it the rows
+// come in receive order, i.e. by source rank, then token. So the row of source s's token i
+// on (d, e) is EB_d[e] + (rows of sources before s on (d, e)) + (tokens of s before i on
+// (d, e)). The last term is a second per-(d, e) prefix over the tokens, in token order:
+//  1. before the grid barrier each block saves its per-(d, e) counts (the scan's s.cnt) to
+//     ebc[b] and one warp walks the block's (token, slot) pairs in order, 32 at a time,
+//     giving each pair that is a token's first slot on (d, e) its place among the block's
+//     tokens on (d, e) (__match_any_sync: lanes of one (d, e) in one step are ranked by
+//     lane, the step's count goes to the running count in shared memory): epos;
+//  2. block 0, after the counts of every node-mate are in (layout_publish), derives
+//     ebase[d][e] = EB_d[e] + rows of the node-mates before this rank, and for its own
+//     experts the padded sizes clipped to the budget, the rows written, the overflow flag
+//     and the dropped rows (em, tpe64);
+//  3. after the layout is released every block adds the earlier blocks' counts (ebc) and
+//     ebase to its pairs' places: epos holds each pair's row, -1 at or past the budget.
+// A row is dropped exactly when its position is at or past the budget: the host's rule.
+// With HEP_REUSE_LAYOUT steps 1-3 are skipped: epos, em and tpe64 are the handle's.
+#ifndef HEP_KERNELS_EXPERT_MAJOR_CUH
+#define HEP_KERNELS_EXPERT_MAJOR_CUH
+
+#include "kernels/layout.cuh"
+
+// Block 0, at the start of the call: where this rank's caller outputs are, for the
+// node-mates (released with COUNTS_READY by layout_publish or layout_reuse).
+__device__ __forceinline__ void em_publish_outputs(const hep_kargs &a)
+{
+    unsigned long long *f = a.flags[a.local];
+    f[HEP_FLAG_EM_TOKENS] = (unsigned long long)(uintptr_t)a.em_tokens;
+    f[HEP_FLAG_EM_PROBS] = (unsigned long long)(uintptr_t)a.em_probs;
+    f[HEP_FLAG_EM_SCALES] = (unsigned long long)(uintptr_t)a.em_scales;
+}
+
+// 1. After scan_list of the own tokens: the block's counts to ebc[b], then its pairs'
+// places among its tokens on each (d, e) into epos (-1: not a first slot on this node).
+static __device__ void em_sweep(const hep_kargs &a, const layout_smem &s)
+{
+    const int RE = a.R * a.El, tid = threadIdx.x, lane = tid & 31, b = blockIdx.x;
+    const int K = a.K;
+    const long long first = (long long)a.rank0 * a.El;
+    int t0, t1;
+    block_range(a.t, b, gridDim.x, t0, t1);
+    for (int j = tid; j < RE; j += blockDim.x) {
+        a.ebc[(size_t)b * RE + j] = s.cnt[j];
+        s.cnt[j] = 0;
+    }
+    __syncthreads();
+    if (tid < 32) {
+        const int n = (t1 - t0) * K;
+        const unsigned lt = (1u << lane) - 1u;
+        for (int q0 = 0; q0 < n; q0 += 32) {
+            const int el = q0 + lane, i = t0 + el / K, k = el % K;
+            int key = -1;
+            if (el < n) {
+                const long long x = topk_at(a, i, k);
+                if (x >= first && x < first + RE) {
+                    bool dup = false;
+                    for (int q = 0; q < k; q++)
+                        dup |= topk_at(a, i, q) == x;
+                    key = dup ? -1 : (int)(x - first);
+                }
+            }
+            const unsigned peers = __match_any_sync(FULL, key);
+            const int base = key >= 0 ? s.cnt[key] : 0;
+            __syncwarp();
+            if (key >= 0 && 31 - __clz(peers) == lane) /* the group's last lane */
+                s.cnt[key] = base + __popc(peers);
+            __syncwarp();
+            if (el < n)
+                a.epos[(size_t)i * K + k] = key >= 0 ? base + __popc(peers & lt) : -1;
+        }
+    }
+    __syncthreads();
+}
+
+// 2. Block 0, after layout_publish of call e: ebase, and this rank's own block sizes.
+static __device__ void em_layout(const hep_kargs &a, unsigned long long e, const layout_smem &s)
+{
+    const int R = a.R, El = a.El, RE = R * El, tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    const size_t LW = (size_t)R * (El + 1), par = (size_t)(e & 1) * a.N * LW;
+    const long long budget = a.budget, pad = a.pad;
+    // rows on (d, x) from every node-mate (s.cnt) and from those before this rank (ebase)
+    for (int j = tid; j < RE; j += blockDim.x) {
+        const int d = j / El, x = j % El;
+        int c = 0, p = 0;
+        for (int q = 0; q < R; q++) {
+            const int v = ld_l2(a.counts[q] + par + (size_t)d * (El + 1) + 1 + x);
+            c += v;
+            p += q < a.local ? v : 0;
+        }
+        s.cnt[j] = c;
+        a.ebase[j] = p;
+    }
+    __syncthreads();
+    // per destination a warp: the padded blocks' exclusive prefix over its experts
+    for (int d = warp; d < R; d += nwarps) {
+        long long base = 0, dropped = 0;
+        for (int x0 = 0; x0 < El; x0 += 32) {
+            const int x = x0 + lane;
+            const long long c = x < El ? s.cnt[d * El + x] : 0;
+            const long long pc = (c + pad - 1) / pad * pad;
+            long long incl = pc;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const long long y = __shfl_up_sync(FULL, incl, o);
+                if (lane >= o)
+                    incl += y;
+            }
+            const long long eb = base + incl - pc;
+            if (x < El) {
+                const long long p = eb + a.ebase[d * El + x];
+                a.ebase[d * El + x] = (int)(p < budget ? p : budget);
+                if (d == a.local) {
+                    const long long start = eb < budget ? eb : budget;
+                    const long long dend = eb + c < budget ? eb + c : budget;
+                    const long long pend = eb + pc < budget ? eb + pc : budget;
+                    a.em[HEP_EM_WORDS + 2 * x] = (int)dend;
+                    a.em[HEP_EM_WORDS + 2 * x + 1] = (int)pend;
+                    a.tpe64[x] = pend - start;
+                    dropped += c - (dend - start);
+                }
+            }
+            base += __shfl_sync(FULL, incl, 31);
+        }
+        if (d == a.local) {
+#pragma unroll
+            for (int o = 16; o; o >>= 1)
+                dropped += __shfl_xor_sync(FULL, dropped, o);
+            if (lane == 0) {
+                a.em[HEP_EM_NUM_PERMUTED] = (int)(base < budget ? base : budget);
+                a.em[HEP_EM_OVERFLOW] = base > budget;
+                a.em[HEP_EM_OVERFLOW_ROWS] = (int)(dropped < 0x7fffffffLL ? dropped : 0x7fffffffLL);
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// 3. Every block, after the layout was released: its pairs' places made rows.
+static __device__ void em_finalize(const hep_kargs &a, const layout_smem &s)
+{
+    const int RE = a.R * a.El, tid = threadIdx.x, b = blockIdx.x, K = a.K;
+    const long long first = (long long)a.rank0 * a.El;
+    int t0, t1;
+    block_range(a.t, b, gridDim.x, t0, t1);
+    for (int j = tid; j < RE; j += blockDim.x) {
+        long long p = ld_l2(a.ebase + j);
+        for (int q = 0; q < b; q++)
+            p += ld_l2(a.ebc + (size_t)q * RE + j);
+        s.cnt[j] = (int)(p < a.budget ? p : a.budget);
+    }
+    __syncthreads();
+    for (int el = tid; el < (t1 - t0) * K; el += blockDim.x) {
+        const int i = t0 + el / K, k = el % K;
+        int *pp = a.epos + (size_t)i * K + k;
+        const int o = *pp;
+        if (o >= 0) {
+            const long long pos = (long long)s.cnt[(int)(topk_at(a, i, k) - first)] + o;
+            *pp = pos < a.budget ? (int)pos : -1;
+        }
+    }
+    __syncthreads();
+}
+
+// This rank's padding rows (zero tokens, probability and scales), spread over the
+// kernel's warps: rows [data end, padding end) of each local expert.
+__device__ void em_zero_padding(const hep_kargs &a)
+{
+    const int lane = threadIdx.x & 31, wpb = blockDim.x >> 5;
+    const int gw = blockIdx.x * wpb + (threadIdx.x >> 5), nw = gridDim.x * wpb;
+    const size_t rb = (size_t)a.H * a.esize, nvec = rb / 16;
+    for (int x = 0; x < a.El; x++) {
+        const int r0 = ld_l2(a.em + HEP_EM_WORDS + 2 * x), r1 = ld_l2(a.em + HEP_EM_WORDS + 2 * x + 1);
+        for (int r = r0 + gw; r < r1; r += nw) {
+            uint4 *row = (uint4 *)((char *)a.em_tokens + (size_t)r * rb);
+            for (size_t q = lane; q < nvec; q += 32)
+                row[q] = make_uint4(0, 0, 0, 0);
+            if (lane == 0)
+                a.em_probs[r] = 0.f;
+            for (int c = lane; c < a.nscale; c += 32)
+                a.em_scales[(size_t)r * a.nscale + c] = 0.f;
+        }
+    }
+}
+
+// One warp copies source row `src` to the rows of the pairs in `mask` (lane k holds slot
+// k's destination kd and row, -1 if none), DU vectors a lane in flight as push_row does.
+__device__ __forceinline__ void em_push_row(const uint4 *src, unsigned mask, int kd, int row,
+                                            char *const *s_x, size_t rb, int nvec, int per_pass)
+{
+    const int lane = threadIdx.x & 31;
+    for (int v0 = 0; v0 < nvec; v0 += per_pass) {
+        const int v1 = min(nvec, v0 + per_pass);
+        uint4 buf[DU];
+#pragma unroll
+        for (int u = 0; u < DU; u++) {
+            const int q = v0 + u * 32 + lane;
+            if (q < v1)
+                buf[u] = __ldg(src + q);
+        }
+        for (unsigned m = mask; m; m &= m - 1) {
+            const int k = __ffs(m) - 1;
+            const int d = __shfl_sync(FULL, kd, k), r = __shfl_sync(FULL, row, k);
+            uint4 *dst = (uint4 *)(s_x[d] + (size_t)r * rb);
+#pragma unroll
+            for (int u = 0; u < DU; u++) {
+                const int q = v0 + u * 32 + lane;
+                if (q < v1)
+                    ST_ROW(dst + q, buf[u]);
+            }
+        }
+    }
+}
+
+// One warp pushes own token i: a row, its probability (the token's weights on that expert,
+// summed in slot order) and its scales for every first slot on an expert of this node.
+__device__ __forceinline__ void em_push_token(const hep_kargs &a, int i, char *const *s_x,
+                                              float *const *s_prob, float *const *s_scale)
+{
+    const int El = a.El, K = a.K, lane = threadIdx.x & 31;
+    const long long first = (long long)a.rank0 * El;
+    const size_t rb = (size_t)a.H * a.esize;
+    const int nvec = (int)(rb / 16);
+    const int passes = (nvec + 32 * DU - 1) / (32 * DU);
+    const int per_pass = ((nvec + passes - 1) / passes + 31) & ~31;
+    const int row = lane < K ? a.epos[(size_t)i * K + lane] : -1;
+    const unsigned mask = __ballot_sync(FULL, row >= 0);
+    if (!mask)
+        return;
+    const long long myid = lane < K ? topk_at(a, i, lane) : -2;
+    const float myw = lane < K ? a.weights[(size_t)i * K + lane] : 0.f;
+    float pk = 0.f;
+    for (int q = 0; q < K; q++) {
+        const long long x = __shfl_sync(FULL, myid, q);
+        const float w = __shfl_sync(FULL, myw, q);
+        pk += x == myid ? w : 0.f;
+    }
+    const int kd = row >= 0 ? (int)((myid - first) / El) : 0;
+    em_push_row((const uint4 *)((const char *)a.tokens + (size_t)i * rb), mask, kd, row, s_x,
+                rb, nvec, per_pass);
+    if (row >= 0)
+        s_prob[kd][row] = pk;
+    for (unsigned m = mask; m; m &= m - 1) { /* scales: the lanes copy one pair's at a time */
+        const int k = __ffs(m) - 1;
+        const int d = __shfl_sync(FULL, kd, k), r = __shfl_sync(FULL, row, k);
+        for (int c = lane; c < a.nscale; c += 32)
+            s_scale[d][(size_t)r * a.nscale + c] = a.scales[(size_t)i * a.nscale + c];
+    }
+}
+
+// Every block after the layout: its pairs' rows (unless reused), the node-mates' output
+// pointers into the block's tables, this rank's padding, then its tokens' rows.
+static __device__ void em_push(const hep_kargs &a, const layout_smem &s, char **s_x,
+                               float **s_prob, float **s_scale)
+{
+    const int tid = threadIdx.x;
+    if (!a.reuse)
+        em_finalize(a, s);
+    if (tid < a.R) {
+        const unsigned long long *f = a.flags[tid];
+        s_x[tid] = (char *)(uintptr_t)ld_relaxed(f + HEP_FLAG_EM_TOKENS);
+        s_prob[tid] = (float *)(uintptr_t)ld_relaxed(f + HEP_FLAG_EM_PROBS);
+        s_scale[tid] = (float *)(uintptr_t)ld_relaxed(f + HEP_FLAG_EM_SCALES);
+    }
+    __syncthreads();
+    em_zero_padding(a);
+    int t0, t1, w0, w1;
+    block_range(a.t, blockIdx.x, gridDim.x, t0, t1);
+    warp_range(t0, t1, tid >> 5, blockDim.x >> 5, w0, w1);
+    for (int i = w0; i < w1; i++)
+        em_push_token(a, i, s_x, s_prob, s_scale);
+}
+
+#endif
