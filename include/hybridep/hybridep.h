@@ -398,6 +398,13 @@ typedef struct hep_plan_info {
  * The strings are static. 0, or HEP_ERR_INVALID naming the field and its limits. */
 int hep_plan_query(const hep_config *cfg, int nodes, int ranks_per_node, hep_plan_info *out);
 
+/* sizeof the public struct named `name` ("hep_config", "hep_dispatch_opts", ... every
+ * struct of this header and "hep_bootstrap"), as this library was built; 0 for a name it
+ * does not know. For bindings that lay the structs out themselves (the Python package
+ * checks every one at import, so a struct that grew is an ImportError, not a write past
+ * the binding's copy). */
+size_t hep_struct_size(const char *name);
+
 #ifdef __cplusplus
 }
 #endif

@@ -104,7 +104,9 @@ class DispatchOpts(ctypes.Structure):
                 ("recv_scales", ctypes.c_void_p), ("num_permuted", ctypes.c_int),
                 ("overflow", ctypes.c_int), ("overflow_rows", ctypes.c_int),
                 ("copy_bytes", ctypes.c_size_t),
-                ("tokens_per_expert", ctypes.POINTER(ctypes.c_int64))]
+                ("tokens_per_expert", ctypes.POINTER(ctypes.c_int64)),
+                ("permuted_device", ctypes.c_void_p),
+                ("tokens_per_expert_device", ctypes.c_void_p)]
 
 
 class CombineOpts(ctypes.Structure):
@@ -167,6 +169,21 @@ _declare("hep_inproc_world_create", ctypes.c_int, ctypes.c_int, P(ctypes.c_void_
 _declare("hep_inproc_bootstrap", ctypes.c_int, ctypes.c_void_p, ctypes.c_int, P(Bootstrap))
 _declare("hep_inproc_world_destroy", None, ctypes.c_void_p)
 _declare("hep_group_sync", ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+
+# Each struct laid out here must be the library's: a field the C side gained would be
+# written past the end of this copy (it was, once: a crash in a later call).
+_declare("hep_struct_size", ctypes.c_size_t, ctypes.c_char_p)
+STRUCTS = {"hep_config": Config, "hep_bootstrap": Bootstrap, "hep_group_info": GroupInfo,
+           "hep_dispatch_args": DispatchArgs, "hep_dispatch_result": DispatchResult,
+           "hep_combine_args": CombineArgs, "hep_dispatch_opts": DispatchOpts,
+           "hep_combine_opts": CombineOpts}
+for _name, _cls in STRUCTS.items():
+    _c = lib.hep_struct_size(_name.encode())
+    if _c != ctypes.sizeof(_cls):
+        raise ImportError("hybridep: %s is %d bytes in %s but %d in this package's binding: "
+                          "the package and the library are of different versions (rebuild "
+                          "and reinstall both from one checkout)"
+                          % (_name, _c, path, ctypes.sizeof(_cls)))
 
 # Setting the error message from a bootstrap callback: hep_set_last_error(status, fmt, ...)
 # (hybridep/status.h), called with the format "%s" so that the text is never a format.

@@ -56,3 +56,12 @@ def test_config_mirrors_the_c_struct_to_its_last_field():
     assert "config.max_recv_rows = 65 is out of range 0..64" in _lib.lib.hep_last_error().decode()
     assert _lib.STATUS_NAMES[12] == "HEP_ERR_OVERFLOW"
     assert _lib.lib.hep_status_name(12).decode() == "HEP_ERR_OVERFLOW"
+
+
+def test_every_struct_of_the_binding_has_the_library_size():
+    """The import checks these; here they are listed, so that a struct left out of the check
+    (or a size the library does not know, 0) fails by name."""
+    from hybridep import _lib
+    for name, cls in _lib.STRUCTS.items():
+        assert _lib.lib.hep_struct_size(name.encode()) == ctypes.sizeof(cls), name
+    assert _lib.lib.hep_struct_size(b"hep_no_such_struct") == 0

@@ -76,3 +76,27 @@ int hep_gpu_probe(int cuda_device)
         return hep_fail(HEP_ERR_UNAVAILABLE, "GPU %d: %s", cuda_device, why);
     return HEP_OK;
 }
+
+size_t hep_struct_size(const char *name)
+{
+    static const struct {
+        const char *name;
+        size_t size;
+    } known[] = {
+        {"hep_config", sizeof(hep_config)},
+        {"hep_bootstrap", sizeof(hep_bootstrap)},
+        {"hep_group_info", sizeof(hep_group_info)},
+        {"hep_dispatch_args", sizeof(hep_dispatch_args)},
+        {"hep_dispatch_result", sizeof(hep_dispatch_result)},
+        {"hep_combine_args", sizeof(hep_combine_args)},
+        {"hep_dispatch_opts", sizeof(hep_dispatch_opts)},
+        {"hep_combine_opts", sizeof(hep_combine_opts)},
+        {"hep_group_stats", sizeof(hep_group_stats)},
+        {"hep_plan_buffer_info", sizeof(hep_plan_buffer_info)},
+        {"hep_plan_info", sizeof(hep_plan_info)},
+    };
+    for (size_t i = 0; name && i < sizeof(known) / sizeof(known[0]); i++)
+        if (strcmp(name, known[i].name) == 0)
+            return known[i].size;
+    return 0;
+}
