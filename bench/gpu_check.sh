@@ -18,7 +18,7 @@
 #     STRESS_SAN_CALLS (200) calls a shape under compute-sanitizer memcheck and racecheck
 #     (not part of `all`: name it); STRESS_PLAIN=0 leaves the plain run out
 #   train: the training API on the GPU: test_gpu_train, then hybridep bench --layout expert
-#     --pad-multiple 128 (bf16, fp8) (not part of `all`: name it)
+#     --pad-multiple 128 (TRAIN_DTYPES: bf16 fp8) (not part of `all`: name it)
 #   TEST_FILTER: a cmocka pattern (e.g. '*huge_timeout*') for the cases `test` runs
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -117,7 +117,7 @@ if named train; then
     step "test_gpu_train (handles, caller outputs, expert-major, probabilities, capacity)"
     timeout 180 $B/test_gpu_train
     echo "test_gpu_train exit: $?"
-    for dt in bf16 fp8; do
+    for dt in ${TRAIN_DTYPES:-bf16 fp8}; do
       step "hybridep bench --layout expert --pad-multiple 128 --dtype $dt ${BENCH_ARGS:-}"
       timeout 120 $B/hybridep bench --layout expert --pad-multiple 128 --dtype $dt ${BENCH_ARGS:-}
     done
