@@ -104,7 +104,9 @@ class DispatchOpts(ctypes.Structure):
                 ("recv_scales", ctypes.c_void_p), ("num_permuted", ctypes.c_int),
                 ("overflow", ctypes.c_int), ("overflow_rows", ctypes.c_int),
                 ("copy_bytes", ctypes.c_size_t),
-                ("tokens_per_expert", ctypes.POINTER(ctypes.c_int64))]
+                ("tokens_per_expert", ctypes.POINTER(ctypes.c_int64)),
+                ("permuted_device", ctypes.POINTER(ctypes.c_int)),
+                ("tokens_per_expert_device", ctypes.POINTER(ctypes.c_int64))]
 
 
 class CombineOpts(ctypes.Structure):
