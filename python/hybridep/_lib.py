@@ -105,8 +105,8 @@ class DispatchOpts(ctypes.Structure):
                 ("overflow", ctypes.c_int), ("overflow_rows", ctypes.c_int),
                 ("copy_bytes", ctypes.c_size_t),
                 ("tokens_per_expert", ctypes.POINTER(ctypes.c_int64)),
-                ("permuted_device", ctypes.c_void_p),
-                ("tokens_per_expert_device", ctypes.c_void_p)]
+                ("permuted_device", ctypes.POINTER(ctypes.c_int)),
+                ("tokens_per_expert_device", ctypes.POINTER(ctypes.c_int64))]
 
 
 class CombineOpts(ctypes.Structure):

@@ -436,7 +436,7 @@ int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda
         return hep_fail(HEP_ERR_NOMEM, "hep_group_create: out of memory");
     }
     g->bs = *bs;
-    g->handle_tag = next_handle_tag();
+    g->be.handle_tag = next_handle_tag();
     g->rank = bs->rank;
     g->world = bs->size;
     g->device = cuda_device;

@@ -6,50 +6,6 @@
 
 #include "core/core.h"
 #include "group/group.h"
-#include "kernels/ep_kernels.h"
-
-/* The GPU layout of a handle (one node): one allocation on the group's GPU. */
-static int handle_device(const hep_group *g, struct hep_handle *h)
-{
-    const size_t T = (size_t)g->cfg.max_tokens, K = (size_t)g->cfg.max_topk;
-    const size_t R = (size_t)g->R, El = (size_t)g->cfg.experts_per_rank;
-    const size_t S = (size_t)g->cfg.dispatch_sms;
-    /* rank-major: rows, meta, counts, ids, weights; expert-major: positions, bases, the
-     * blocks' counts, the words and padding ranges, then the int64 tokens per expert */
-    const size_t ints = T * R + R + 2 + El + T * K + T * K + T * K + R * El + S * R * El +
-                        HEP_EM_WORDS + 2 * El;
-    const size_t ints8 = (ints + 1) & ~(size_t)1, bytes = ints8 * 4 + El * 8;
-    int prev = -1;
-    cudaError_t e = cudaGetDevice(&prev);
-    if (e == cudaSuccess && prev != g->device)
-        e = cudaSetDevice(g->device);
-    if (e == cudaSuccess)
-        e = cudaMalloc(&h->dev, bytes);
-    if (e == cudaSuccess)
-        e = cudaMemset(h->dev, 0, bytes);
-    if (prev >= 0 && prev != g->device)
-        (void)cudaSetDevice(prev); /* the caller's device back, whatever happened */
-    if (e != cudaSuccess) {
-        (void)cudaGetLastError();
-        if (h->dev)
-            (void)cudaFree(h->dev);
-        h->dev = NULL;
-        return hep_fail(e == cudaErrorMemoryAllocation ? HEP_ERR_NOMEM : HEP_ERR_CUDA,
-                        "hep_handle_create: %zu bytes of device memory on GPU %d: %s", bytes,
-                        g->device, cudaGetErrorString(e));
-    }
-    h->d_rows = (int *)h->dev;
-    h->d_meta = h->d_rows + T * R;
-    h->d_counts = h->d_meta + R;
-    h->d_ids = h->d_counts + 2 + El;
-    h->d_w = (float *)(h->d_ids + T * K);
-    h->d_epos = (int *)(h->d_w + T * K);
-    h->d_ebase = h->d_epos + T * K;
-    h->d_ebc = h->d_ebase + R * El;
-    h->d_em = h->d_ebc + S * R * El;
-    h->d_tpe = (int64_t *)((int *)h->dev + ints8);
-    return HEP_OK;
-}
 
 struct hep_handle *hep_handle_alloc(const hep_group *g)
 {
@@ -58,7 +14,7 @@ struct hep_handle *hep_handle_alloc(const hep_group *g)
     size_t W = (size_t)g->world, El = (size_t)g->cfg.experts_per_rank, N = (size_t)g->N;
     if (!h)
         return NULL;
-    h->tag = g->handle_tag;
+    h->tag = g->be.handle_tag;
     h->T = (int)T, h->kmax = (int)K, h->W = (int)W, h->El = (int)El, h->N = (int)N;
     h->ids = malloc(sizeof(int) * T * K);
     h->w = malloc(sizeof(float) * T * K);
@@ -87,8 +43,8 @@ int hep_handle_create(hep_group *g, hep_handle **out)
     if (!*out)
         return hep_fail(HEP_ERR_NOMEM, "hep_handle_create: out of memory for a handle of %d "
                         "tokens x %d slots", g->cfg.max_tokens, g->cfg.max_topk);
-    if (g->cfg.backend == HEP_BACKEND_GPU && g->N == 1) {
-        int rc = handle_device(g, *out);
+    if (g->ops->handle_alloc && g->N == 1) { /* the GPU's device part (one node) */
+        int rc = g->ops->handle_alloc(&g->be, *out);
         if (rc) {
             hep_handle_destroy(*out);
             *out = NULL;
@@ -111,12 +67,12 @@ void hep_handle_destroy(hep_handle *h)
 
 int hep_handle_check(const hep_group *g, const struct hep_handle *h, int filled, const char *call)
 {
-    if (h->tag != g->handle_tag)
+    if (h->tag != g->be.handle_tag)
         return hep_fail(HEP_ERR_INVALID,
                         "%s: the handle belongs to another group (tag %llu, this group's %llu; "
                         "also a group since destroyed): a handle is used only with the group "
                         "of the rank that created it",
-                        call, (unsigned long long)h->tag, (unsigned long long)g->handle_tag);
+                        call, (unsigned long long)h->tag, (unsigned long long)g->be.handle_tag);
     if (filled && h->epoch == 0)
         return hep_fail(HEP_ERR_INVALID,
                         "%s: the handle holds no layout yet: pass it to a dispatch without "

@@ -261,48 +261,21 @@ void hep_shm_destroy(hep_group *g)
     g->shm = NULL;
 }
 
-char *hep_shm_mate_local(const hep_group *g, int l)
+void hep_shm_fill_view(const hep_group *g, hep_backend_ctx *b)
 {
     const struct hep_shm *s = g->shm;
-    return l == g->local ? g->arena[HEP_ARENA_LOCAL] : s->mate[l] + s->off_local;
-}
-
-static char *staging(const hep_group *g, int l)
-{
-    const struct hep_shm *s = g->shm;
-    return (l == g->local ? s->base : s->mate[l]) + s->off_stage;
-}
-
-void hep_shm_stage_inputs(hep_group *g, const hep_dispatch_args *a)
-{
-    const struct hep_shm *s = g->shm;
-    const size_t t = (size_t)a->num_tokens, K = (size_t)a->topk, H = (size_t)g->cfg.hidden;
-    const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3;
-    char *st = staging(g, g->local);
-    if (t == 0)
+    b->shm = s;
+    if (!s)
         return;
-    /* t <= max_tokens and topk <= max_topk were checked: the staging area holds them */
-    memcpy(st, a->tokens, t * H * (fp8 ? 1 : 2));
-    if (fp8 && a->scales)
-        memcpy(st + s->st_scales, a->scales, t * (H / HEP_FP8_BLOCK) * sizeof(float));
-    memcpy(st + s->st_idx, a->topk_idx, t * K * (a->index_type == HEP_INDEX_INT64 ? 8 : 4));
-    memcpy(st + s->st_weights, a->topk_weights, t * K * sizeof(float));
-}
-
-void hep_shm_mate_inputs(const hep_group *g, int l, hep_shm_inputs *in)
-{
-    const struct hep_shm *s = g->shm;
-    const char *st = staging(g, l);
-    in->tokens = st;
-    in->scales = g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? (const float *)(st + s->st_scales) : NULL;
-    in->idx = st + s->st_idx;
-    in->weights = (const float *)(st + s->st_weights);
-}
-
-const void *hep_shm_stage_combine_input(hep_group *g, const void *src, int rows)
-{
-    char *dst = hep_my_buf(g, HEP_BUF_TOKEN_X);
-    if (src && src != dst && rows > 0) /* memmove: the caller may pass rows inside it */
-        memmove(dst, src, (size_t)rows * (size_t)g->cfg.hidden * 2);
-    return dst;
+    for (int l = 0; l < g->R; l++) {
+        b->shm_local[l] = l == g->local ? g->arena[HEP_ARENA_LOCAL]
+                          : s->mate[l]   ? s->mate[l] + s->off_local
+                                         : NULL;
+        b->shm_stage[l] = l == g->local ? s->base + s->off_stage
+                          : s->mate[l]   ? s->mate[l] + s->off_stage
+                                         : NULL;
+    }
+    b->shm_st_scales = s->st_scales;
+    b->shm_st_idx = s->st_idx;
+    b->shm_st_weights = s->st_weights;
 }

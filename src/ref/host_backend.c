@@ -1,5 +1,5 @@
 /* ref/host_backend.c: dispatch and combine on host memory, ranks as threads of one
- * process (or processes of one host, through group/shm.h): the reference semantics (the oracle of every GPU test) and the backend of
+ * process (or processes of one host, through ref/host_shm.h): the reference semantics (the oracle of every GPU test) and the backend of
  * machines without a GPU. Unlike the GPU kernels (sources push rows), each rank pulls what
  * it needs from its node-mates: a second, independent algorithm for the same outputs. With
  * N > 1 it runs the hierarchical path through the RDMA coordinator's NIC (the loopback NIC
@@ -24,10 +24,10 @@
 #include <time.h>
 
 #include "core/core.h"
-#include "group/group.h"
-#include "group/shm.h"
+#include "backend/backend.h"
 #include "kernels/ep_kernels.h"
 #include "net/proxy.h"
+#include "ref/host_shm.h"
 
 #define DONE_DISPATCH HEP_FLAG_HOST_DONE
 #define DONE_COMBINE (HEP_FLAG_HOST_DONE + 1)
@@ -42,20 +42,20 @@ typedef struct view { /* a run of tokens with their routing, where they are read
     int t, K, index64, kmax, slot;
 } view;
 
-static uint64_t *flags_of(hep_group *g, int l)
+static uint64_t *flags_of(hep_backend_ctx *g, int l)
 {
-    return (uint64_t *)hep_peer_buf(g, l, HEP_BUF_FLAGS);
+    return (uint64_t *)hep_be_peer_buf(g, l, HEP_BUF_FLAGS);
 }
-static uint64_t *mailbox_of(hep_group *g, int l)
+static uint64_t *mailbox_of(hep_backend_ctx *g, int l)
 {
-    return (uint64_t *)hep_peer_buf(g, l, HEP_BUF_MAILBOX);
+    return (uint64_t *)hep_be_peer_buf(g, l, HEP_BUF_MAILBOX);
 }
-/* Buffer `id` of node-mate l's local arena (one address space, or mapped: group/shm.h). */
-static char *mate_local(hep_group *g, int l, int id)
+/* Buffer `id` of node-mate l's local arena (one address space, or mapped: ref/host_shm.h). */
+static char *mate_local(hep_backend_ctx *g, int l, int id)
 {
     char *base = g->shm ? hep_shm_mate_local(g, l)
                         : (char *)(uintptr_t)mailbox_of(g, l)[HEP_MB_LOCAL];
-    return base + g->plan.buf[id].offset;
+    return base + g->plan->buf[id].offset;
 }
 
 static long long id_at(const view *v, int i, int k)
@@ -75,17 +75,17 @@ static int kslots(const view *v)
     return v->slot ? v->kmax : v->K;
 }
 /* Does token i need global rank r (any expert on it)? / node m? */
-static int needs_rank(const hep_group *g, const view *v, int i, int r)
+static int needs_rank(const hep_backend_ctx *g, const view *v, int i, int r)
 {
     for (int k = 0; k < kslots(v); k++) {
         long long x = id_at(v, i, k);
-        if (x >= 0 && x < (long long)g->cfg.experts_per_rank * g->world &&
-            x / g->cfg.experts_per_rank == r)
+        if (x >= 0 && x < (long long)g->cfg->experts_per_rank * g->world &&
+            x / g->cfg->experts_per_rank == r)
             return 1;
     }
     return 0;
 }
-static int needs_node(const hep_group *g, const view *v, int i, int m)
+static int needs_node(const hep_backend_ctx *g, const view *v, int i, int m)
 {
     for (int l = 0; l < g->R; l++)
         if (needs_rank(g, v, i, m * g->R + l))
@@ -95,7 +95,7 @@ static int needs_node(const hep_group *g, const view *v, int i, int m)
 
 /* `arrived` (or NULL): the sender's arrival word, sent ahead of the flag (a timeout then
  * says whether the sender came and its flag was lost, or it never came). */
-static int wait_ge(hep_group *g, volatile uint64_t *f, uint64_t e, int peer, const char *what,
+static int wait_ge(hep_backend_ctx *g, volatile uint64_t *f, uint64_t e, int peer, const char *what,
                    const volatile uint64_t *arrived)
 {
     int rc = hep_proxy_wait_flag_arrived(f, e, arrived, g->rank, peer, what);
@@ -106,7 +106,7 @@ static int wait_ge(hep_group *g, volatile uint64_t *f, uint64_t e, int peer, con
     return rc;
 }
 
-static int wait_mates(hep_group *g, int word, uint64_t e, const char *what)
+static int wait_mates(hep_backend_ctx *g, int word, uint64_t e, const char *what)
 {
     for (int l = 0; l < g->R; l++) {
         int rc = wait_ge(g, flags_of(g, l) + word, e, g->node * g->R + l, what, NULL);
@@ -116,9 +116,9 @@ static int wait_mates(hep_group *g, int word, uint64_t e, const char *what)
     return HEP_OK;
 }
 
-static int first_invalid(const hep_group *g, const view *v, int *tok, int *slot, long long *val)
+static int first_invalid(const hep_backend_ctx *g, const view *v, int *tok, int *slot, long long *val)
 {
-    long long E = (long long)g->cfg.experts_per_rank * g->world;
+    long long E = (long long)g->cfg->experts_per_rank * g->world;
     for (int i = 0; i < v->t; i++)
         for (int k = 0; k < kslots(v); k++) {
             long long x = id_at(v, i, k);
@@ -130,20 +130,20 @@ static int first_invalid(const hep_group *g, const view *v, int *tok, int *slot,
     return 0;
 }
 
-static int local_experts(const hep_group *g, const view *v, int i, int r, int *es);
+static int local_experts(const hep_backend_ctx *g, const view *v, int i, int r, int *es);
 
 /* Row `row` of this rank's receive buffers from token i of v; with g->row_experts (an
  * expert-major dispatch) also the row's local experts, which permute() reads back. */
-static void receive(hep_group *g, const view *v, int i, int row, int *tpe)
+static void receive(hep_backend_ctx *g, const view *v, int i, int row, int *tpe)
 {
-    const int El = g->cfg.experts_per_rank, H = g->cfg.hidden;
-    const size_t rb = (size_t)H * (g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2);
-    float *prob = (float *)hep_my_buf(g, HEP_BUF_RECV_PROB) + (size_t)row * (size_t)El;
+    const int El = g->cfg->experts_per_rank, H = g->cfg->hidden;
+    const size_t rb = (size_t)H * (g->cfg->dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2);
+    float *prob = (float *)hep_be_buf(g, HEP_BUF_RECV_PROB) + (size_t)row * (size_t)El;
     long long first = (long long)g->rank * El;
-    memcpy(hep_my_buf(g, HEP_BUF_TOKEN_X) + (size_t)row * rb, v->tokens + (size_t)i * rb, rb);
-    if (g->cfg.dtype == HEP_DTYPE_FP8_E4M3) {
+    memcpy(hep_be_buf(g, HEP_BUF_TOKEN_X) + (size_t)row * rb, v->tokens + (size_t)i * rb, rb);
+    if (g->cfg->dtype == HEP_DTYPE_FP8_E4M3) {
         size_t ns = (size_t)H / HEP_FP8_BLOCK;
-        memcpy((float *)hep_my_buf(g, HEP_BUF_RECV_SCALE) + (size_t)row * ns,
+        memcpy((float *)hep_be_buf(g, HEP_BUF_RECV_SCALE) + (size_t)row * ns,
                v->scales + (size_t)i * ns, ns * sizeof(float));
     }
     memset(prob, 0, (size_t)El * sizeof(float));
@@ -160,13 +160,13 @@ static void receive(hep_group *g, const view *v, int i, int row, int *tpe)
     }
     if (g->row_experts) {
         int es[32], n = local_experts(g, v, i, g->rank, es);
-        int *o = g->row_experts + (size_t)row * (size_t)g->cfg.max_topk;
-        for (int q = 0; q < g->cfg.max_topk; q++)
+        int *o = g->row_experts + (size_t)row * (size_t)g->cfg->max_topk;
+        for (int q = 0; q < g->cfg->max_topk; q++)
             o[q] = q < n ? es[q] : -1;
     }
 }
 
-static void own_view(hep_group *g, int l, view *v)
+static void own_view(hep_backend_ctx *g, int l, view *v)
 {
     const volatile uint64_t *m = mailbox_of(g, l);
     memset(v, 0, sizeof(*v));
@@ -189,21 +189,21 @@ static void own_view(hep_group *g, int l, view *v)
 
 /* This rank's routing as its last dispatch saw it, from the group's copy: combine must
  * not read the caller's topk_idx again (it may be freed or reused by then). */
-static void recorded_view(hep_group *g, view *v)
+static void recorded_view(hep_backend_ctx *g, view *v)
 {
     memset(v, 0, sizeof(*v));
     v->slot = 1;
-    v->kmax = g->cfg.max_topk;
+    v->kmax = g->cfg->max_topk;
     v->t = g->last_t;
-    v->ids = (const int *)hep_my_buf(g, HEP_BUF_HANDLE_IDS);
+    v->ids = (const int *)hep_be_buf(g, HEP_BUF_HANDLE_IDS);
 }
 
 /* Copy the caller's ids as slots of kmax (an invalid id, or a slot past topk, as -1). */
-static void record_ids(hep_group *g, const view *mine)
+static void record_ids(hep_backend_ctx *g, const view *mine)
 {
-    const int kmax = g->cfg.max_topk;
-    const long long E = (long long)g->cfg.experts_per_rank * g->world;
-    int *ids = (int *)hep_my_buf(g, HEP_BUF_HANDLE_IDS);
+    const int kmax = g->cfg->max_topk;
+    const long long E = (long long)g->cfg->experts_per_rank * g->world;
+    int *ids = (int *)hep_be_buf(g, HEP_BUF_HANDLE_IDS);
     for (int i = 0; i < mine->t; i++)
         for (int k = 0; k < kmax; k++) {
             long long x = k < mine->K ? id_at(mine, i, k) : -1;
@@ -213,9 +213,9 @@ static void record_ids(hep_group *g, const view *mine)
 
 /* Expert e's positions of its local experts that token i of v chose, ascending, distinct
  * (at most 32). */
-static int local_experts(const hep_group *g, const view *v, int i, int r, int *es)
+static int local_experts(const hep_backend_ctx *g, const view *v, int i, int r, int *es)
 {
-    const int El = g->cfg.experts_per_rank;
+    const int El = g->cfg->experts_per_rank;
     const long long first = (long long)r * El;
     int n = 0;
     for (int k = 0; k < kslots(v); k++) {
@@ -238,17 +238,17 @@ static int local_experts(const hep_group *g, const view *v, int i, int r, int *e
 /* Expert-major outputs (hybridep.h, "Layouts"): every (token, local expert) row written at
  * its position in caller memory, padding zeroed, rows at or past the budget dropped.
  * cnt[e]: received tokens with a slot on e. Fills h's ebase / tpe / counts. */
-static size_t permute(hep_group *g, hep_handle *h, const int *cnt, const hep_dispatch_opts *x)
+static size_t permute(hep_backend_ctx *g, hep_handle *h, const int *cnt, const hep_dispatch_opts *x)
 {
-    const int El = g->cfg.experts_per_rank, H = g->cfg.hidden;
-    const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3, pad = h->pad, budget = h->budget;
+    const int El = g->cfg->experts_per_rank, H = g->cfg->hidden;
+    const int fp8 = g->cfg->dtype == HEP_DTYPE_FP8_E4M3, pad = h->pad, budget = h->budget;
     const size_t rb = (size_t)H * (fp8 ? 1 : 2), ns = (size_t)H / HEP_FP8_BLOCK;
     const size_t row_bytes = rb + sizeof(float) + (fp8 ? ns * sizeof(float) : 0);
     unsigned char *tok = x->recv_tokens;
-    const unsigned char *rows = (const unsigned char *)hep_my_buf(g, HEP_BUF_TOKEN_X);
-    const float *probs = (const float *)hep_my_buf(g, HEP_BUF_RECV_PROB);
-    const float *scales = fp8 ? (const float *)hep_my_buf(g, HEP_BUF_RECV_SCALE) : NULL;
-    const int *base = (const int *)hep_my_buf(g, HEP_BUF_HANDLE_META);
+    const unsigned char *rows = (const unsigned char *)hep_be_buf(g, HEP_BUF_TOKEN_X);
+    const float *probs = (const float *)hep_be_buf(g, HEP_BUF_RECV_PROB);
+    const float *scales = fp8 ? (const float *)hep_be_buf(g, HEP_BUF_RECV_SCALE) : NULL;
+    const int *base = (const int *)hep_be_buf(g, HEP_BUF_HANDLE_META);
     long long *run = malloc(sizeof(long long) * (size_t)El), pos = 0;
     size_t written = 0;
     int dropped = 0;
@@ -277,8 +277,8 @@ static size_t permute(hep_group *g, hep_handle *h, const int *cnt, const hep_dis
         for (int e = 0; e < El; e++)
             h->ebase[(size_t)src * (size_t)El + (size_t)e] = (int)run[e];
         for (int row = base[src]; row < base[src + 1]; row++) {
-            const int *es = g->row_experts + (size_t)row * (size_t)g->cfg.max_topk;
-            for (int q = 0; q < g->cfg.max_topk && es[q] >= 0; q++) {
+            const int *es = g->row_experts + (size_t)row * (size_t)g->cfg->max_topk;
+            for (int q = 0; q < g->cfg->max_topk && es[q] >= 0; q++) {
                 long long p = run[es[q]]++;
                 if (p >= budget) {
                     dropped++;
@@ -299,20 +299,20 @@ static size_t permute(hep_group *g, hep_handle *h, const int *cnt, const hep_dis
 }
 
 /* The layout a later combine needs, from the group's buffers of this dispatch. */
-static void record(hep_group *g, hep_handle *h, const hep_dispatch_args *a, uint64_t e, int rows)
+static void record(hep_backend_ctx *g, hep_handle *h, const hep_dispatch_args *a, uint64_t e, int rows)
 {
-    const size_t kmax = (size_t)g->cfg.max_topk;
+    const size_t kmax = (size_t)g->cfg->max_topk;
     view mine;
     own_view(g, g->local, &mine);
     h->epoch = e;
     h->t = a->num_tokens;
     h->topk = a->topk;
     h->recv = rows;
-    memcpy(h->ids, hep_my_buf(g, HEP_BUF_HANDLE_IDS), sizeof(int) * (size_t)h->t * kmax);
+    memcpy(h->ids, hep_be_buf(g, HEP_BUF_HANDLE_IDS), sizeof(int) * (size_t)h->t * kmax);
     for (int i = 0; i < h->t; i++)
         for (size_t k = 0; k < kmax; k++)
             h->w[(size_t)i * kmax + k] = (int)k < a->topk ? w_at(&mine, i, (int)k) : 0.f;
-    memcpy(h->base, hep_my_buf(g, HEP_BUF_HANDLE_META), sizeof(int) * (size_t)(g->world + 1));
+    memcpy(h->base, hep_be_buf(g, HEP_BUF_HANDLE_META), sizeof(int) * (size_t)(g->world + 1));
     /* slot_t and slot_ids (the other nodes' slots at this rank) were recorded by the pull,
      * while each chunk was in the ring */
 }
@@ -338,23 +338,23 @@ static void reuse_args(hep_handle *h, const hep_dispatch_args *a, hep_dispatch_a
 }
 
 /* Rank-major outputs into caller memory, where the caller gave some. */
-static size_t copy_out(hep_group *g, int rows, hep_dispatch_opts *x)
+static size_t copy_out(hep_backend_ctx *g, int rows, hep_dispatch_opts *x)
 {
-    const int El = g->cfg.experts_per_rank, H = g->cfg.hidden;
-    const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3;
+    const int El = g->cfg->experts_per_rank, H = g->cfg->hidden;
+    const int fp8 = g->cfg->dtype == HEP_DTYPE_FP8_E4M3;
     const size_t rb = (size_t)H * (fp8 ? 1 : 2), n = (size_t)rows;
     const size_t sb = n * (size_t)(H / HEP_FP8_BLOCK) * sizeof(float);
     size_t bytes = 0;
     if (x->recv_tokens) {
-        memcpy(x->recv_tokens, hep_my_buf(g, HEP_BUF_TOKEN_X), n * rb);
+        memcpy(x->recv_tokens, hep_be_buf(g, HEP_BUF_TOKEN_X), n * rb);
         bytes += n * rb;
     }
     if (x->recv_probs) {
-        memcpy(x->recv_probs, hep_my_buf(g, HEP_BUF_RECV_PROB), n * (size_t)El * sizeof(float));
+        memcpy(x->recv_probs, hep_be_buf(g, HEP_BUF_RECV_PROB), n * (size_t)El * sizeof(float));
         bytes += n * (size_t)El * sizeof(float);
     }
     if (fp8 && x->recv_scales) {
-        memcpy(x->recv_scales, hep_my_buf(g, HEP_BUF_RECV_SCALE), sb);
+        memcpy(x->recv_scales, hep_be_buf(g, HEP_BUF_RECV_SCALE), sb);
         bytes += sb;
     }
     return bytes;
@@ -363,7 +363,7 @@ static size_t copy_out(hep_group *g, int rows, hep_dispatch_opts *x)
 /* ---------------------------------------------------------------- the inter-node rings
  *
  * Each slot (a sender's staging for a node, a receiver's slot of a node, the partial sums)
- * is a ring of P positions of C tokens (g->plan.ring, g->plan.chunk; the words of
+ * is a ring of P positions of C tokens (g->plan->ring, g->plan->chunk; the words of
  * kernels/ep_kernels.h, "rings"). Chunk k of a call, the slot's tokens [kC, kC + C), is in
  * position k % P. Ordering, for one ring (sender S = (m, l), receiver Q = (n, l)):
  *  - S packs chunk k into its staging position only once the credit word (its
@@ -392,28 +392,28 @@ static double now_ms(void)
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
 }
-static size_t cb_words(const hep_group *g)
+static size_t cb_words(const hep_backend_ctx *g)
 {
-    return HEP_COUNT_BLOCK_WORDS((size_t)g->R, (size_t)g->cfg.experts_per_rank);
+    return HEP_COUNT_BLOCK_WORDS((size_t)g->R, (size_t)g->cfg->experts_per_rank);
 }
-static size_t ring_base(const hep_group *g)
+static size_t ring_base(const hep_backend_ctx *g)
 {
     return HEP_RING_WORD((size_t)g->N, cb_words(g));
 }
-static size_t src_word(const hep_group *g, int m, int p)
+static size_t src_word(const hep_backend_ctx *g, int m, int p)
 {
     return HEP_RING_SRC_WORD((size_t)g->N, cb_words(g), (size_t)m, (size_t)p,
-                             (size_t)g->plan.ring);
+                             (size_t)g->plan->ring);
 }
 /* The row within its slot of the k-th token of a call's slot stream. */
-static size_t ring_row(const hep_group *g, size_t k)
+static size_t ring_row(const hep_backend_ctx *g, size_t k)
 {
-    const size_t C = (size_t)g->plan.chunk, P = (size_t)g->plan.ring;
+    const size_t C = (size_t)g->plan->chunk, P = (size_t)g->plan->ring;
     return k / C % P * C + k % C;
 }
-static int chunks_of(const hep_group *g, int tokens)
+static int chunks_of(const hep_backend_ctx *g, int tokens)
 {
-    return (tokens + g->plan.chunk - 1) / g->plan.chunk;
+    return (tokens + g->plan->chunk - 1) / g->plan->chunk;
 }
 /* Chunks of call e in a ring word (0 for an earlier call's value). */
 static int chunks_in(uint64_t v, uint64_t e)
@@ -425,7 +425,7 @@ static uint64_t load_acq(const volatile uint64_t *w)
     return __atomic_load_n((const uint64_t *)w, __ATOMIC_ACQUIRE);
 }
 /* Reader `reader`'s count of the chunks it read of node-mate l's ring for slot s. */
-static uint64_t *read_word(hep_group *g, int reader, int l, int s)
+static uint64_t *read_word(hep_backend_ctx *g, int reader, int l, int s)
 {
     return flags_of(g, reader) + 16 + 2 * (size_t)g->world + (size_t)l * (size_t)(g->N - 1) +
            (size_t)s;
@@ -443,17 +443,17 @@ typedef struct ring_peer {
 } ring_peer;
 
 /* Pack chunk k of my slot for node d->m into its staging position (dispatch). */
-static void pack_chunk(hep_group *g, const hep_dispatch_args *a, const view *mine,
+static void pack_chunk(hep_backend_ctx *g, const hep_dispatch_args *a, const view *mine,
                        const ring_peer *d, int k)
 {
-    const size_t S = g->plan.slot_tokens, H = (size_t)g->cfg.hidden;
-    const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3, kmax = g->cfg.max_topk;
+    const size_t S = g->plan->slot_tokens, H = (size_t)g->cfg->hidden;
+    const int fp8 = g->cfg->dtype == HEP_DTYPE_FP8_E4M3, kmax = g->cfg->max_topk;
     const size_t rb = H * (fp8 ? 1 : 2), ns = H / HEP_FP8_BLOCK, rw = (size_t)kmax * 4;
-    const long long E = (long long)g->cfg.experts_per_rank * g->world;
-    char *tok = hep_my_buf(g, HEP_BUF_D_ATTN_TOKEN), *route = hep_my_buf(g, HEP_BUF_D_ATTN_PROB);
-    char *scale = fp8 ? hep_my_buf(g, HEP_BUF_D_ATTN_SCALE) : NULL;
-    const int end = (k + 1) * g->plan.chunk < d->cnt ? (k + 1) * g->plan.chunk : d->cnt;
-    for (int q = k * g->plan.chunk; q < end; q++) {
+    const long long E = (long long)g->cfg->experts_per_rank * g->world;
+    char *tok = hep_be_buf(g, HEP_BUF_D_ATTN_TOKEN), *route = hep_be_buf(g, HEP_BUF_D_ATTN_PROB);
+    char *scale = fp8 ? hep_be_buf(g, HEP_BUF_D_ATTN_SCALE) : NULL;
+    const int end = (k + 1) * g->plan->chunk < d->cnt ? (k + 1) * g->plan->chunk : d->cnt;
+    for (int q = k * g->plan->chunk; q < end; q++) {
         const int i = d->list[q];
         const size_t r = (size_t)d->j * S + ring_row(g, (size_t)q);
         int *ids = (int *)(route + ((size_t)d->j * 2 * S + ring_row(g, (size_t)q)) * rw);
@@ -474,11 +474,11 @@ static void pack_chunk(hep_group *g, const hep_dispatch_args *a, const view *min
  * count block (tokens per (local rank, expert) there), then the arrival word, fenced
  * behind them: the receivers size their rings, and the capacity is agreed, before any row
  * moves. */
-static int dispatch_announce(hep_group *g, const hep_dispatch_args *a, uint64_t e, ring_peer *rp)
+static int dispatch_announce(hep_backend_ctx *g, const hep_dispatch_args *a, uint64_t e, ring_peer *rp)
 {
-    const int El = g->cfg.experts_per_rank, N = g->N;
+    const int El = g->cfg->experts_per_rank, N = g->N;
     const size_t cb = cb_words(g);
-    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_D_ATTN_FLAGS);
+    uint64_t *words = (uint64_t *)hep_be_buf(g, HEP_BUF_D_ATTN_FLAGS);
     hep_proxy_chunk *ch = malloc(sizeof(*ch) * 3 * (size_t)N);
     view mine;
     int n = 0, rc, es[32];
@@ -520,14 +520,14 @@ static int dispatch_announce(hep_group *g, const hep_dispatch_args *a, uint64_t 
 
 /* Step 2's batch: every chunk of every slot (its data, then its flag), the slots' final
  * count and flag, and the credits this rank owes for the chunks its ring receives. */
-static int dispatch_stream(hep_group *g, uint64_t e, const ring_peer *rp)
+static int dispatch_stream(hep_backend_ctx *g, uint64_t e, const ring_peer *rp)
 {
-    const size_t S = g->plan.slot_tokens, H = (size_t)g->cfg.hidden, C = (size_t)g->plan.chunk;
-    const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3, P = g->plan.ring, N = g->N;
+    const size_t S = g->plan->slot_tokens, H = (size_t)g->cfg->hidden, C = (size_t)g->plan->chunk;
+    const int fp8 = g->cfg->dtype == HEP_DTYPE_FP8_E4M3, P = g->plan->ring, N = g->N;
     const size_t rb = H * (fp8 ? 1 : 2), sb = H / HEP_FP8_BLOCK * 4;
-    const size_t rw = (size_t)g->cfg.max_topk * 4, B = ring_base(g);
-    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_D_ATTN_FLAGS);
-    uint64_t *in = (uint64_t *)hep_my_buf(g, HEP_BUF_D_GROUP_FLAGS);
+    const size_t rw = (size_t)g->cfg->max_topk * 4, B = ring_base(g);
+    uint64_t *words = (uint64_t *)hep_be_buf(g, HEP_BUF_D_ATTN_FLAGS);
+    uint64_t *in = (uint64_t *)hep_be_buf(g, HEP_BUF_D_GROUP_FLAGS);
     size_t total = 0;
     hep_proxy_chunk *ch;
     int n = 0, rc;
@@ -583,7 +583,7 @@ static int dispatch_stream(hep_group *g, uint64_t e, const ring_peer *rp)
 
 /* Ends a streaming batch after its producer failed: the producer's message stands unless
  * the NIC refused a write (that is the cause). */
-static int stream_abort(hep_group *g, int rc, const char *msg)
+static int stream_abort(hep_backend_ctx *g, int rc, const char *msg)
 {
     int prc;
     hep_proxy_cancel(g->proxy, rc, msg);
@@ -603,10 +603,10 @@ static int stream_abort(hep_group *g, int rc, const char *msg)
  * rank's count goes to every rank through the bootstrap's allgather. On an overflow every
  * rank returns HEP_ERR_OVERFLOW with the same message, before any row was sent or written;
  * the allgather also stands for the end-of-reading handshake of that case. */
-static int agree_capacity(hep_group *g, uint64_t e)
+static int agree_capacity(hep_backend_ctx *g, uint64_t e)
 {
-    const long long cap = g->cfg.max_recv_rows;
-    const int El = g->cfg.experts_per_rank;
+    const long long cap = g->cfg->max_recv_rows;
+    const int El = g->cfg->experts_per_rank;
     const size_t cb = cb_words(g);
     long long need = 0, *all;
     int rc = HEP_OK, over = -1, n_over = 0;
@@ -631,7 +631,7 @@ static int agree_capacity(hep_group *g, uint64_t e)
         g->broken = 1;
         return hep_fail(HEP_ERR_NOMEM, "%s", g->broken_msg);
     }
-    rc = g->bs.allgather(g->bs.ctx, &need, all, sizeof(need));
+    rc = g->bs->allgather(g->bs->ctx, &need, all, sizeof(need));
     if (rc) {
         snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", hep_last_error());
         g->broken = 1;
@@ -659,7 +659,7 @@ static int agree_capacity(hep_group *g, uint64_t e)
 }
 
 /* Step 1's counts of every slot this rank reads (node-mates' rings), once they came. */
-static int wait_counts(hep_group *g, uint64_t e, ring_peer *rp)
+static int wait_counts(hep_backend_ctx *g, uint64_t e, ring_peer *rp)
 {
     for (int ns = 0; ns < g->N; ns++)
         for (int l = 0; ns != g->node && l < g->R; l++) {
@@ -687,33 +687,33 @@ typedef struct pull {
 } pull;
 
 /* The view of chunk q of node-mate l's ring for source node ns (its v.t tokens). */
-static void chunk_view(hep_group *g, int l, int ns, int q, int cnt, view *v)
+static void chunk_view(hep_backend_ctx *g, int l, int ns, int q, int cnt, view *v)
 {
-    const size_t S = g->plan.slot_tokens, H = (size_t)g->cfg.hidden, C = (size_t)g->plan.chunk;
-    const size_t rb = H * (g->cfg.dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2);
-    const size_t kmax = (size_t)g->cfg.max_topk, s = (size_t)hep_slot_of(ns, g->node);
-    const size_t r0 = s * S + (size_t)(q % g->plan.ring) * C;
+    const size_t S = g->plan->slot_tokens, H = (size_t)g->cfg->hidden, C = (size_t)g->plan->chunk;
+    const size_t rb = H * (g->cfg->dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2);
+    const size_t kmax = (size_t)g->cfg->max_topk, s = (size_t)hep_slot_of(ns, g->node);
+    const size_t r0 = s * S + (size_t)(q % g->plan->ring) * C;
     const char *route = mate_local(g, l, HEP_BUF_D_GROUP_PROB) + s * 2 * S * kmax * 4;
     memset(v, 0, sizeof(*v));
     v->slot = 1;
     v->kmax = (int)kmax;
     v->t = cnt - q * (int)C < (int)C ? cnt - q * (int)C : (int)C;
     v->tokens = (const unsigned char *)mate_local(g, l, HEP_BUF_D_GROUP_TOKEN) + r0 * rb;
-    v->ids = (const int *)route + (size_t)(q % g->plan.ring) * C * kmax;
-    v->w = (const float *)(route + S * kmax * 4) + (size_t)(q % g->plan.ring) * C * kmax;
-    if (g->cfg.dtype == HEP_DTYPE_FP8_E4M3)
+    v->ids = (const int *)route + (size_t)(q % g->plan->ring) * C * kmax;
+    v->w = (const float *)(route + S * kmax * 4) + (size_t)(q % g->plan->ring) * C * kmax;
+    if (g->cfg->dtype == HEP_DTYPE_FP8_E4M3)
         v->scales = (const float *)mate_local(g, l, HEP_BUF_D_GROUP_SCALE) +
                     r0 * (H / HEP_FP8_BLOCK);
 }
 
 /* Read what is readable; 1 if anything moved. Sets *wait_l / *wait_q to the chunk it
  * waits for (or -1). */
-static int pull_step(hep_group *g, uint64_t e, pull *c, int *tpe, int record_slots, hep_handle *h,
+static int pull_step(hep_backend_ctx *g, uint64_t e, pull *c, int *tpe, int record_slots, hep_handle *h,
                      int *wait_q)
 {
-    const size_t kmax = (size_t)g->cfg.max_topk, T = (size_t)g->cfg.max_tokens;
+    const size_t kmax = (size_t)g->cfg->max_topk, T = (size_t)g->cfg->max_tokens;
     const size_t B = ring_base(g);
-    int *base = (int *)hep_my_buf(g, HEP_BUF_HANDLE_META);
+    int *base = (int *)hep_be_buf(g, HEP_BUF_HANDLE_META);
     int did = 0;
     *wait_q = -1;
     while (c->ns < g->N) {
@@ -744,7 +744,7 @@ static int pull_step(hep_group *g, uint64_t e, pull *c, int *tpe, int record_slo
                 if (needs_rank(g, &v, c->i, g->rank))
                     receive(g, &v, c->i, c->row++, tpe);
         } else {
-            const int s = hep_slot_of(c->ns, g->node), q = c->i / g->plan.chunk;
+            const int s = hep_slot_of(c->ns, g->node), q = c->i / g->plan->chunk;
             const uint64_t *fl = (const uint64_t *)mate_local(g, c->l, HEP_BUF_D_GROUP_FLAGS);
             if (chunks_in(load_acq(&fl[B + (size_t)s]), e) < q + 1) {
                 *wait_q = q;
@@ -767,11 +767,11 @@ static int pull_step(hep_group *g, uint64_t e, pull *c, int *tpe, int record_slo
 }
 
 /* Pack every chunk whose position is free; 1 if anything moved. */
-static int pack_step(hep_group *g, const hep_dispatch_args *a, const view *mine, uint64_t e,
+static int pack_step(hep_backend_ctx *g, const hep_dispatch_args *a, const view *mine, uint64_t e,
                      ring_peer *rp)
 {
-    const int P = g->plan.ring, N = g->N;
-    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_D_ATTN_FLAGS);
+    const int P = g->plan->ring, N = g->N;
+    uint64_t *words = (uint64_t *)hep_be_buf(g, HEP_BUF_D_ATTN_FLAGS);
     const size_t B = ring_base(g);
     int did = 0;
     for (int m = 0; m < N; m++) {
@@ -798,14 +798,14 @@ static int pack_step(hep_group *g, const hep_dispatch_args *a, const view *mine,
 /* As the owner of the rings that receive from the other nodes: free each chunk every
  * node-mate has read. Returns 1 if a credit moved; *short_of: a slot whose credits are not
  * all given yet (or -1), *lagger the node-mate holding it back. */
-static int credit_step(hep_group *g, uint64_t e, const ring_peer *rp, int *short_of, int *lagger)
+static int credit_step(hep_backend_ctx *g, uint64_t e, const ring_peer *rp, int *short_of, int *lagger)
 {
-    uint64_t *in = (uint64_t *)hep_my_buf(g, HEP_BUF_D_GROUP_FLAGS);
+    uint64_t *in = (uint64_t *)hep_be_buf(g, HEP_BUF_D_GROUP_FLAGS);
     const size_t B = ring_base(g);
     int did = 0;
     *short_of = -1;
     for (int m = 0; m < g->N; m++) {
-        const int s = rp[m].j, need = rp[m].in_nk - g->plan.ring;
+        const int s = rp[m].j, need = rp[m].in_nk - g->plan->ring;
         int least = 1 << 30, who = 0;
         if (m == g->node || need <= 0 || g->hold_credits)
             continue;
@@ -825,13 +825,13 @@ static int credit_step(hep_group *g, uint64_t e, const ring_peer *rp, int *short
     return did;
 }
 
-static int dispatch_loop(hep_group *g, const hep_dispatch_args *a, uint64_t e, ring_peer *rp,
+static int dispatch_loop(hep_backend_ctx *g, const hep_dispatch_args *a, uint64_t e, ring_peer *rp,
                          pull *c, int *tpe, int record_slots, hep_handle *h)
 {
     const double limit = (double)hep_env_get()->timeout_ms;
     double last = now_ms();
     const size_t B = ring_base(g);
-    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_D_ATTN_FLAGS);
+    uint64_t *words = (uint64_t *)hep_be_buf(g, HEP_BUF_D_ATTN_FLAGS);
     view mine;
     char m[1024];
     own_view(g, g->local, &mine);
@@ -860,8 +860,8 @@ static int dispatch_loop(hep_group *g, const hep_dispatch_args *a, uint64_t e, r
                      "of its dispatch rows for node %d needs chunk %d freed, expected %llu, saw "
                      "%llu: rank %d frees a chunk of its ring once every rank of its node read it "
                      "(a rank of node %d that did not read it is named by its own timeout)",
-                     g->rank, now_ms() - last, d->peer, d->next, d->m, d->next - g->plan.ring,
-                     (unsigned long long)HEP_RING_VAL(e, d->next - g->plan.ring + 1),
+                     g->rank, now_ms() - last, d->peer, d->next, d->m, d->next - g->plan->ring,
+                     (unsigned long long)HEP_RING_VAL(e, d->next - g->plan->ring + 1),
                      (unsigned long long)load_acq(&words[B + (size_t)d->m]), d->peer, d->m);
         } else if (wait_q >= 0) {
             const int s = hep_slot_of(c->ns, g->node), from = c->ns * g->R + c->l;
@@ -887,28 +887,17 @@ static int dispatch_loop(hep_group *g, const hep_dispatch_args *a, uint64_t e, r
     }
 }
 
-int hep_host_dispatch(hep_group *g, const hep_dispatch_args *a, hep_dispatch_result *o)
-{
-    hep_dispatch_opts x;
-    int rc;
-    memset(&x, 0, sizeof(x));
-    rc = hep_host_dispatch_ex(g, a, &x, g->own_handle, o);
-    if (rc == HEP_OK || rc == HEP_WARN_IGNORED)
-        o->handle = g->last_handle = hep_handle_of(g, g->epoch);
-    return rc;
-}
-
 /* Across nodes the receive slots of a call are written by the peers of the other nodes,
  * with nothing that waits for this rank to have read the previous call's: between a
  * dispatch and a combine the other call's data dependency orders them (a peer cannot finish
  * the combine before this rank's partial sums, sent after its dispatch), but two calls of
  * one kind in a row (possible with handles) need that order made: a barrier. */
-static int order_same_kind(hep_group *g, int kind)
+static int order_same_kind(hep_backend_ctx *g, int kind)
 {
     int rc = HEP_OK, prev = g->last_call;
     g->last_call = kind;
     if (g->N > 1 && prev == kind) {
-        rc = g->bs.barrier(g->bs.ctx);
+        rc = g->bs->barrier(g->bs->ctx);
         if (rc) {
             snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", hep_last_error());
             g->broken = 1;
@@ -917,14 +906,16 @@ static int order_same_kind(hep_group *g, int kind)
     return rc;
 }
 
-int hep_host_dispatch_ex(hep_group *g, const hep_dispatch_args *a0, hep_dispatch_opts *x,
-                         hep_handle *h, hep_dispatch_result *o)
+/* x: the options (never NULL); h: the handle to record into, or for reuse the one to read
+ * (never NULL: the one-shot layout is g->own_handle). */
+static int dispatch_ex(hep_backend_ctx *g, const hep_dispatch_args *a0, hep_dispatch_opts *x,
+                       hep_handle *h, hep_dispatch_result *o)
 {
-    const int El = g->cfg.experts_per_rank, W = g->world;
+    const int El = g->cfg->experts_per_rank, W = g->world;
     const int reuse = (a0->flags & HEP_REUSE_LAYOUT) != 0;
     uint64_t *mb = mailbox_of(g, g->local), e = g->epoch + 1;
-    int *host_counts = (int *)hep_my_buf(g, HEP_BUF_HOST_COUNTS);
-    int *base = (int *)hep_my_buf(g, HEP_BUF_HANDLE_META); /* my row base per source rank */
+    int *host_counts = (int *)hep_be_buf(g, HEP_BUF_HOST_COUNTS);
+    int *base = (int *)hep_be_buf(g, HEP_BUF_HANDLE_META); /* my row base per source rank */
     int row = 0, rc, tok = 0, slot = 0, bad;
     long long val = 0;
     size_t copied = 0;
@@ -974,11 +965,11 @@ int hep_host_dispatch_ex(hep_group *g, const hep_dispatch_args *a0, hep_dispatch
         rc = wait_mates(g, HEP_FLAG_COUNTS_READY, e, "its routing to be published");
     if (rc == HEP_OK && g->N > 1)
         rc = wait_counts(g, e, rp);
-    if (rc == HEP_OK && g->cfg.max_recv_rows)
+    if (rc == HEP_OK && g->cfg->max_recv_rows)
         rc = agree_capacity(g, e);
     if (rc == HEP_OK && h->layout == HEP_LAYOUT_EXPERT_MAJOR) {
-        g->row_experts = malloc(sizeof(int) * (g->plan.max_recv_rows ? g->plan.max_recv_rows : 1) *
-                                (size_t)g->cfg.max_topk);
+        g->row_experts = malloc(sizeof(int) * (g->plan->max_recv_rows ? g->plan->max_recv_rows : 1) *
+                                (size_t)g->cfg->max_topk);
         if (!g->row_experts)
             rc = hep_fail(HEP_ERR_NOMEM, "dispatch: out of memory");
     }
@@ -1034,7 +1025,7 @@ int hep_host_dispatch_ex(hep_group *g, const hep_dispatch_args *a0, hep_dispatch
     g->epoch = e;
     g->last_t = a->num_tokens;
     g->last_recv = row;
-    g->last_handle = 0; /* the one-shot value: set by hep_host_dispatch */
+    g->last_handle = 0; /* the one-shot value: set by host_dispatch */
     g->copy_bytes += copied;
     hep_fill_dispatch_result(g, o);
     o->num_recv_device = host_counts;
@@ -1101,10 +1092,10 @@ typedef struct combine_ctx {
 /* acc[0..H) += the rows of token i of v (from source rank src) at the node-mates that
  * received it, ascending local rank, and within an expert-major node-mate ascending local
  * expert; the probabilities of those rows into c->pout. */
-static void add_node_share(hep_group *g, const view *v, int i, int src, combine_ctx *c,
+static void add_node_share(hep_backend_ctx *g, const view *v, int i, int src, combine_ctx *c,
                            float *acc)
 {
-    const int H = g->cfg.hidden, El = g->cfg.experts_per_rank;
+    const int H = g->cfg->hidden, El = g->cfg->experts_per_rank;
     for (int l = 0; l < g->R; l++) {
         int d = g->node * g->R + l, es[32], n;
         const int *mbase = (const int *)mate_local(g, l, HEP_BUF_HANDLE_META);
@@ -1115,7 +1106,7 @@ static void add_node_share(hep_group *g, const view *v, int i, int src, combine_
         const uint16_t *rows, *x;
         if (!needs_rank(g, v, i, d))
             continue;
-        rows = (const uint16_t *)(g->shm ? hep_peer_buf(g, l, HEP_BUF_TOKEN_X)
+        rows = (const uint16_t *)(g->shm ? hep_be_peer_buf(g, l, HEP_BUF_TOKEN_X)
                                          : (char *)(uintptr_t)mailbox_of(g, l)[HEP_MB_COMBINE_IN]);
         n = local_experts(g, v, i, d, es);
         if (!mh || mh->layout != HEP_LAYOUT_EXPERT_MAJOR) {
@@ -1159,13 +1150,13 @@ typedef struct combine_run {
     int next_tok;          /* this rank's next token to sum */
 } combine_run;
 
-static int partial_step(hep_group *g, uint64_t e, combine_run *r)
+static int partial_step(hep_backend_ctx *g, uint64_t e, combine_run *r)
 {
-    const size_t S = g->plan.slot_tokens, H = (size_t)g->cfg.hidden, T = (size_t)g->cfg.max_tokens;
-    const size_t kmax = (size_t)g->cfg.max_topk, B = ring_base(g);
-    const int P = g->plan.ring, C = g->plan.chunk;
-    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_C_OUT_FLAGS);
-    uint16_t *red = (uint16_t *)hep_my_buf(g, HEP_BUF_C_RED_TOKEN);
+    const size_t S = g->plan->slot_tokens, H = (size_t)g->cfg->hidden, T = (size_t)g->cfg->max_tokens;
+    const size_t kmax = (size_t)g->cfg->max_topk, B = ring_base(g);
+    const int P = g->plan->ring, C = g->plan->chunk;
+    uint64_t *words = (uint64_t *)hep_be_buf(g, HEP_BUF_C_OUT_FLAGS);
+    uint16_t *red = (uint16_t *)hep_be_buf(g, HEP_BUF_C_RED_TOKEN);
     int did = 0;
     for (int m = 0; m < g->N; m++) {
         ring_peer *d = &r->rp[m];
@@ -1203,13 +1194,13 @@ static int partial_step(hep_group *g, uint64_t e, combine_run *r)
 }
 
 /* Sum this rank's next tokens whose partial sums all landed; *wait_m: the node it waits for. */
-static int sum_step(hep_group *g, uint64_t e, combine_run *r, int *wait_m)
+static int sum_step(hep_backend_ctx *g, uint64_t e, combine_run *r, int *wait_m)
 {
-    const size_t S = g->plan.slot_tokens, H = (size_t)g->cfg.hidden;
-    const size_t E = (size_t)g->cfg.experts_per_rank * (size_t)g->world, B = ring_base(g);
-    const int C = g->plan.chunk;
-    uint64_t *in = (uint64_t *)hep_my_buf(g, HEP_BUF_C_GROUP_FLAGS);
-    const uint16_t *parts = (const uint16_t *)hep_my_buf(g, HEP_BUF_C_GROUP_TOKEN);
+    const size_t S = g->plan->slot_tokens, H = (size_t)g->cfg->hidden;
+    const size_t E = (size_t)g->cfg->experts_per_rank * (size_t)g->world, B = ring_base(g);
+    const int C = g->plan->chunk;
+    uint64_t *in = (uint64_t *)hep_be_buf(g, HEP_BUF_C_GROUP_FLAGS);
+    const uint16_t *parts = (const uint16_t *)hep_be_buf(g, HEP_BUF_C_GROUP_TOKEN);
     int did = 0;
     *wait_m = -1;
     for (; r->next_tok < g->last_t; r->next_tok++) {
@@ -1248,13 +1239,13 @@ static int sum_step(hep_group *g, uint64_t e, combine_run *r, int *wait_m)
 
 /* The batch of the partial sums: each chunk's rows then its flag, each slot's count and
  * flag, then the credits this rank owes for the partial sums it receives. */
-static int combine_stream(hep_group *g, uint64_t e, const ring_peer *rp)
+static int combine_stream(hep_backend_ctx *g, uint64_t e, const ring_peer *rp)
 {
-    const size_t S = g->plan.slot_tokens, rb2 = (size_t)g->cfg.hidden * 2;
-    const size_t C = (size_t)g->plan.chunk, B = ring_base(g);
-    const int P = g->plan.ring, N = g->N;
-    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_C_OUT_FLAGS);
-    uint64_t *in = (uint64_t *)hep_my_buf(g, HEP_BUF_C_GROUP_FLAGS);
+    const size_t S = g->plan->slot_tokens, rb2 = (size_t)g->cfg->hidden * 2;
+    const size_t C = (size_t)g->plan->chunk, B = ring_base(g);
+    const int P = g->plan->ring, N = g->N;
+    uint64_t *words = (uint64_t *)hep_be_buf(g, HEP_BUF_C_OUT_FLAGS);
+    uint64_t *in = (uint64_t *)hep_be_buf(g, HEP_BUF_C_GROUP_FLAGS);
     size_t total = 0;
     hep_proxy_chunk *ch;
     int n = 0, rc;
@@ -1293,13 +1284,13 @@ static int combine_stream(hep_group *g, uint64_t e, const ring_peer *rp)
     return rc;
 }
 
-static int combine_loop(hep_group *g, uint64_t e, combine_run *r)
+static int combine_loop(hep_backend_ctx *g, uint64_t e, combine_run *r)
 {
     const double limit = (double)hep_env_get()->timeout_ms;
     const size_t B = ring_base(g);
     double last = now_ms();
-    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_C_OUT_FLAGS);
-    const uint64_t *in = (const uint64_t *)hep_my_buf(g, HEP_BUF_C_GROUP_FLAGS);
+    uint64_t *words = (uint64_t *)hep_be_buf(g, HEP_BUF_C_OUT_FLAGS);
+    const uint64_t *in = (const uint64_t *)hep_be_buf(g, HEP_BUF_C_GROUP_FLAGS);
     char msg[1024];
     for (;;) {
         int wait_m, packing = -1, moved = partial_step(g, e, r);
@@ -1323,8 +1314,8 @@ static int combine_loop(hep_group *g, uint64_t e, combine_run *r)
                      "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for a credit from rank %d: chunk %d "
                      "of its partial sums for node %d needs chunk %d freed, expected %llu, saw "
                      "%llu: rank %d did not free it",
-                     g->rank, now_ms() - last, d->peer, d->next, d->m, d->next - g->plan.ring,
-                     (unsigned long long)HEP_RING_VAL(e, d->next - g->plan.ring + 1),
+                     g->rank, now_ms() - last, d->peer, d->next, d->m, d->next - g->plan->ring,
+                     (unsigned long long)HEP_RING_VAL(e, d->next - g->plan->ring + 1),
                      (unsigned long long)load_acq(&words[B + (size_t)d->m]), d->peer);
         } else {
             const ring_peer *d = &r->rp[wait_m];
@@ -1341,33 +1332,26 @@ static int combine_loop(hep_group *g, uint64_t e, combine_run *r)
             snprintf(msg, sizeof(msg),
                      "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for chunk %d of its partial sums "
                      "from rank %d: expected %llu, saw %llu: %s",
-                     g->rank, now_ms() - last, d->got / g->plan.chunk, d->peer,
-                     (unsigned long long)HEP_RING_VAL(e, d->got / g->plan.chunk + 1),
+                     g->rank, now_ms() - last, d->got / g->plan->chunk, d->peer,
+                     (unsigned long long)HEP_RING_VAL(e, d->got / g->plan->chunk + 1),
                      (unsigned long long)load_acq(&in[B + (size_t)d->j]), why);
         }
         return stream_abort(g, HEP_ERR_TIMEOUT, msg);
     }
 }
 
-int hep_host_combine(hep_group *g, const hep_combine_args *a)
+/* co->handle: the layout to combine with. */
+static int combine_ex(hep_backend_ctx *g, const hep_combine_args *a, const hep_combine_opts *co)
 {
-    hep_combine_opts c;
-    memset(&c, 0, sizeof(c));
-    c.handle = g->own_handle;
-    return hep_host_combine_ex(g, a, &c);
-}
-
-int hep_host_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_opts *co)
-{
-    const size_t H = (size_t)g->cfg.hidden, kmax = (size_t)g->cfg.max_topk;
+    const size_t H = (size_t)g->cfg->hidden, kmax = (size_t)g->cfg->max_topk;
     const hep_handle *h = co->handle;
     const uint64_t e = ++g->combine_epoch; /* combines repeat a dispatch: their own count */
-    uint64_t *words = (uint64_t *)hep_my_buf(g, HEP_BUF_C_OUT_FLAGS);
+    uint64_t *words = (uint64_t *)hep_be_buf(g, HEP_BUF_C_OUT_FLAGS);
     float *acc = malloc(sizeof(float) * H);
     hep_proxy_chunk *ch = malloc(sizeof(hep_proxy_chunk) * (size_t)g->N);
     ring_peer *rp = calloc((size_t)g->N, sizeof(*rp));
     combine_ctx cx, *cxs = calloc((size_t)g->N, sizeof(*cxs));
-    int *enexts = calloc((size_t)g->N * (size_t)g->R * (size_t)g->cfg.experts_per_rank, sizeof(int));
+    int *enexts = calloc((size_t)g->N * (size_t)g->R * (size_t)g->cfg->experts_per_rank, sizeof(int));
     int n = 0, rc;
     uint64_t *mb = mailbox_of(g, g->local);
 
@@ -1376,19 +1360,19 @@ int hep_host_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combi
         free(acc), free(ch), free(rp), free(cxs), free(enexts);
         return rc;
     }
-    cx.enext = calloc((size_t)g->R * (size_t)g->cfg.experts_per_rank, sizeof(int));
+    cx.enext = calloc((size_t)g->R * (size_t)g->cfg->experts_per_rank, sizeof(int));
     if (!acc || !ch || !rp || !cxs || !enexts || !cx.enext) {
         free(acc), free(ch), free(rp), free(cxs), free(enexts), free(cx.enext);
         return hep_fail(HEP_ERR_NOMEM, "combine: out of memory");
     }
     /* the handle's layout where node-mates read it (the group's buffers hold the last
      * dispatch's, which may be another handle's) */
-    memcpy(hep_my_buf(g, HEP_BUF_HANDLE_META), h->base, sizeof(int) * (size_t)(g->world + 1));
-    memcpy(hep_my_buf(g, HEP_BUF_HANDLE_IDS), h->ids, sizeof(int) * (size_t)h->t * kmax);
+    memcpy(hep_be_buf(g, HEP_BUF_HANDLE_META), h->base, sizeof(int) * (size_t)(g->world + 1));
+    memcpy(hep_be_buf(g, HEP_BUF_HANDLE_IDS), h->ids, sizeof(int) * (size_t)h->t * kmax);
     g->last_t = h->t;
     g->last_recv = h->recv;
     mb[HEP_MB_COMBINE_IN] =
-        (uint64_t)(uintptr_t)(a->expert_out ? a->expert_out : hep_my_buf(g, HEP_BUF_TOKEN_X));
+        (uint64_t)(uintptr_t)(a->expert_out ? a->expert_out : hep_be_buf(g, HEP_BUF_TOKEN_X));
     mb[HEP_MB_HANDLE] = (uint64_t)(uintptr_t)h;
     mb[HEP_MB_PROBS_IN] = (uint64_t)(uintptr_t)co->probs_in;
     if (g->shm) /* across processes node-mates read this rank's exchange.token */
@@ -1440,7 +1424,7 @@ int hep_host_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combi
             for (int i = 0; i < g->last_t; i++)
                 rp[m].in_cnt += needs_node(g, &r.mine, i, m);
             rp[m].in_nk = chunks_of(g, rp[m].in_cnt);
-            cxs[m].enext = enexts + (size_t)m * (size_t)g->R * (size_t)g->cfg.experts_per_rank;
+            cxs[m].enext = enexts + (size_t)m * (size_t)g->R * (size_t)g->cfg->experts_per_rank;
         }
         if (g->N > 1)
             rc = combine_stream(g, e, rp);
@@ -1457,3 +1441,61 @@ int hep_host_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combi
     __atomic_store_n(flags_of(g, g->local) + DONE_COMBINE, e, __ATOMIC_RELEASE);
     return wait_mates(g, DONE_COMBINE, e, "the node-mates to finish reading");
 }
+
+/* The backend's calls (backend/backend.h). */
+static int host_setup(hep_backend_ctx *g)
+{
+    ((uint64_t *)hep_be_buf(g, HEP_BUF_MAILBOX))[HEP_MB_LOCAL] =
+        (uint64_t)(uintptr_t)g->arena[HEP_ARENA_LOCAL];
+    return HEP_OK;
+}
+
+static void host_teardown(hep_backend_ctx *g)
+{
+    (void)g;
+}
+
+static int host_dispatch(hep_backend_ctx *g, const hep_dispatch_args *a, hep_dispatch_opts *x,
+                         hep_handle *h, hep_dispatch_result *o)
+{
+    hep_dispatch_opts none;
+    int rc;
+    if (!x) {
+        memset(&none, 0, sizeof(none));
+        x = &none;
+    }
+    rc = dispatch_ex(g, a, x, h ? h : g->own_handle, o);
+    if (!h && (rc == HEP_OK || rc == HEP_WARN_IGNORED))
+        o->handle = g->last_handle = hep_handle_of(g, g->epoch); /* the one-shot value */
+    return rc;
+}
+
+/* c given: c->handle is the layout (h is the same handle); none: the one-shot layout. */
+static int host_combine(hep_backend_ctx *g, const hep_combine_args *a, const hep_handle *h,
+                        const hep_combine_opts *c)
+{
+    hep_combine_opts none;
+    (void)h;
+    if (c)
+        return combine_ex(g, a, c);
+    memset(&none, 0, sizeof(none));
+    none.handle = g->own_handle;
+    return combine_ex(g, a, &none);
+}
+
+static int host_sync(hep_backend_ctx *g, void *stream)
+{
+    (void)stream;
+    return g->broken ? hep_fail(HEP_ERR_TIMEOUT, "%s", g->broken_msg) : HEP_OK;
+}
+
+const hep_backend_ops hep_host_backend = {
+    .name = "host",
+    .setup = host_setup,
+    .teardown = host_teardown,
+    .handle_alloc = NULL,
+    .dispatch = host_dispatch,
+    .combine = host_combine,
+    .sync = host_sync,
+    .fill_stats = NULL,
+};

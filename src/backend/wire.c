@@ -1,12 +1,13 @@
-/* group/wire.c: the work the CPU proxy does for one inter-node dispatch or combine, as
+/* backend/wire.c: the work the CPU proxy does for one inter-node dispatch or combine, as
  * chunks between this rank's registrations and the peers' (the wire protocol of
  * docs/architecture.md). Slot j of a rank's inter-node buffers belongs to node
  * j + (j >= its own node). */
 #include <string.h>
 
 #include "core/core.h"
-#include "group/group.h"
+#include "backend/backend.h"
 #include "kernels/ep_kernels.h"
+#include "net/coordinator.h"
 #include "net/proxy.h"
 
 int hep_slot_of(int node, int at_node)
@@ -14,7 +15,7 @@ int hep_slot_of(int node, int at_node)
     return node < at_node ? node : node - 1;
 }
 
-hep_proxy_chunk hep_wire_chunk(const hep_group *g, int peer, int lid, size_t loff, int rid,
+hep_proxy_chunk hep_wire_chunk(const hep_backend_ctx *g, int peer, int lid, size_t loff, int rid,
                                size_t roff, size_t len, const volatile uint64_t *ready)
 {
     const hep_coord *c = g->coord;
@@ -30,12 +31,12 @@ hep_proxy_chunk hep_wire_chunk(const hep_group *g, int peer, int lid, size_t lof
     k.rkey = r->rkey;
     k.raddr = r->addr + roff;
     k.len = len;
-    k.name = g->plan.buf[lid].name;
+    k.name = g->plan->buf[lid].name;
     return k;
 }
 
 /* k's flag write: u64 word lword of buffer lid to word rword of the peer's rid. */
-static void set_flag(const hep_group *g, hep_proxy_chunk *k, int lid, size_t lword, int rid,
+static void set_flag(const hep_backend_ctx *g, hep_proxy_chunk *k, int lid, size_t lword, int rid,
                      size_t rword)
 {
     const hep_proxy_chunk f = hep_wire_chunk(g, k->peer, lid, lword * 8, rid, rword * 8, 8, NULL);
@@ -46,7 +47,7 @@ static void set_flag(const hep_group *g, hep_proxy_chunk *k, int lid, size_t lwo
     k->flag_raddr = f.raddr;
 }
 
-hep_proxy_chunk hep_wire_count_then_flag(const hep_group *g, int peer, int lid, int rid,
+hep_proxy_chunk hep_wire_count_then_flag(const hep_backend_ctx *g, int peer, int lid, int rid,
                                          int lword, int rword, const volatile uint64_t *ready)
 {
     hep_proxy_chunk k =
@@ -56,7 +57,7 @@ hep_proxy_chunk hep_wire_count_then_flag(const hep_group *g, int peer, int lid, 
     return k;
 }
 
-hep_proxy_chunk hep_wire_flag(const hep_group *g, int peer, int lid, size_t lword, int rid,
+hep_proxy_chunk hep_wire_flag(const hep_backend_ctx *g, int peer, int lid, size_t lword, int rid,
                               size_t rword, uint64_t want)
 {
     hep_proxy_chunk k = hep_wire_chunk(g, peer, lid, 0, rid, 0, 0, NULL);
@@ -69,11 +70,11 @@ hep_proxy_chunk hep_wire_flag(const hep_group *g, int peer, int lid, size_t lwor
 
 /* The GPU path: S chunks per buffer and node, each block's rows as its descriptor says,
  * then the slot's count and flag. */
-static int add_blocks(const hep_group *g, hep_proxy_chunk *ch, int n, int peer, int lid,
+static int add_blocks(const hep_backend_ctx *g, hep_proxy_chunk *ch, int n, int peer, int lid,
                       size_t loff, int rid, size_t roff, size_t unit, const uint64_t *px, int S)
 {
     for (int b = 0; b < S; b++) {
-        ch[n] = hep_wire_chunk(g, peer, lid, loff, rid, roff, (size_t)g->cfg.max_tokens * unit,
+        ch[n] = hep_wire_chunk(g, peer, lid, loff, rid, roff, (size_t)g->cfg->max_tokens * unit,
                                px + 3 * b);
         ch[n].desc = px + 3 * b + 1;
         ch[n].unit = unit;
@@ -82,14 +83,14 @@ static int add_blocks(const hep_group *g, hep_proxy_chunk *ch, int n, int peer, 
     return n;
 }
 
-int hep_wire_gpu_batch(const hep_group *g, int phase, int S, hep_proxy_chunk *ch)
+int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, int S, hep_proxy_chunk *ch)
 {
-    const size_t T = (size_t)g->cfg.max_tokens, H = (size_t)g->cfg.hidden;
-    const int fp8 = g->cfg.dtype == HEP_DTYPE_FP8_E4M3;
-    const size_t rb = H * (fp8 ? 1 : 2), rw = (size_t)g->cfg.max_topk * 4;
+    const size_t T = (size_t)g->cfg->max_tokens, H = (size_t)g->cfg->hidden;
+    const int fp8 = g->cfg->dtype == HEP_DTYPE_FP8_E4M3;
+    const size_t rb = H * (fp8 ? 1 : 2), rw = (size_t)g->cfg->max_topk * 4;
     const size_t sb = H / HEP_FP8_BLOCK * 4, rb2 = H * 2;
     const uint64_t *px0 = (const uint64_t *)(g->arena[HEP_ARENA_MAPPED] +
-                                             g->plan.buf[HEP_BUF_PROXY].offset);
+                                             g->plan->buf[HEP_BUF_PROXY].offset);
     int n = 0;
     for (int m = 0; m < g->N; m++) {
         const int peer = m * g->R + g->local, j = hep_slot_of(m, g->node);
@@ -99,7 +100,7 @@ int hep_wire_gpu_batch(const hep_group *g, int phase, int S, hep_proxy_chunk *ch
             continue;
         if (phase == 0) {
             /* the count block first, with its own flag: the receiver lays out early */
-            const size_t cb = HEP_COUNT_BLOCK_WORDS((size_t)g->R, (size_t)g->cfg.experts_per_rank);
+            const size_t cb = HEP_COUNT_BLOCK_WORDS((size_t)g->R, (size_t)g->cfg->experts_per_rank);
             const size_t N = (size_t)g->N;
             ch[n] = hep_wire_chunk(g, peer, HEP_BUF_D_ATTN_FLAGS, (3 * N + m * cb) * 8,
                                    HEP_BUF_D_GROUP_FLAGS, (3 * N + s * cb) * 8, cb * 8,

@@ -1,0 +1,47 @@
+/* ref/host_shm.c: the host backend's side of the node-shared memory (see host_shm.h). */
+#include <string.h>
+
+#include "ref/host_shm.h"
+
+char *hep_shm_mate_local(const hep_backend_ctx *g, int l)
+{
+    return g->shm_local[l];
+}
+
+static char *staging(const hep_backend_ctx *g, int l)
+{
+    return g->shm_stage[l];
+}
+
+void hep_shm_stage_inputs(hep_backend_ctx *g, const hep_dispatch_args *a)
+{
+    const size_t t = (size_t)a->num_tokens, K = (size_t)a->topk, H = (size_t)g->cfg->hidden;
+    const int fp8 = g->cfg->dtype == HEP_DTYPE_FP8_E4M3;
+    char *st = staging(g, g->local);
+    if (t == 0)
+        return;
+    /* t <= max_tokens and topk <= max_topk were checked: the staging area holds them */
+    memcpy(st, a->tokens, t * H * (fp8 ? 1 : 2));
+    if (fp8 && a->scales)
+        memcpy(st + g->shm_st_scales, a->scales, t * (H / HEP_FP8_BLOCK) * sizeof(float));
+    memcpy(st + g->shm_st_idx, a->topk_idx, t * K * (a->index_type == HEP_INDEX_INT64 ? 8 : 4));
+    memcpy(st + g->shm_st_weights, a->topk_weights, t * K * sizeof(float));
+}
+
+void hep_shm_mate_inputs(const hep_backend_ctx *g, int l, hep_shm_inputs *in)
+{
+    const char *st = staging(g, l);
+    in->tokens = st;
+    in->scales =
+        g->cfg->dtype == HEP_DTYPE_FP8_E4M3 ? (const float *)(st + g->shm_st_scales) : NULL;
+    in->idx = st + g->shm_st_idx;
+    in->weights = (const float *)(st + g->shm_st_weights);
+}
+
+const void *hep_shm_stage_combine_input(hep_backend_ctx *g, const void *src, int rows)
+{
+    char *dst = hep_be_buf(g, HEP_BUF_TOKEN_X);
+    if (src && src != dst && rows > 0) /* memmove: the caller may pass rows inside it */
+        memmove(dst, src, (size_t)rows * (size_t)g->cfg->hidden * 2);
+    return dst;
+}

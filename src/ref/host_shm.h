@@ -1,0 +1,27 @@
+/* ref/host_shm.h: the host backend's reads and writes of the node-shared memory when a
+ * group's ranks span processes (group/shm.c creates and maps the segments; the group layer
+ * puts where each node-mate's parts are mapped here into hep_backend_ctx). */
+#ifndef HEP_REF_HOST_SHM_H
+#define HEP_REF_HOST_SHM_H
+
+#include "backend/backend.h"
+
+/* This rank's inputs (or a node-mate's copy of them) where the host backend reads them. */
+typedef struct hep_shm_inputs {
+    const void *tokens;   /* [t, H] rows */
+    const float *scales;  /* FP8: [t, H / 128] */
+    const void *idx;      /* [t, K] int32 or int64, as the mailbox says */
+    const float *weights; /* [t, K] */
+} hep_shm_inputs;
+
+/* Node-mate l's local arena, as mapped here. */
+char *hep_shm_mate_local(const hep_backend_ctx *g, int l);
+/* Copy this rank's dispatch inputs into its staging area (t <= T, topk <= max_topk). */
+void hep_shm_stage_inputs(hep_backend_ctx *g, const hep_dispatch_args *a);
+/* Where node-mate l's staged inputs are mapped here. */
+void hep_shm_mate_inputs(const hep_backend_ctx *g, int l, hep_shm_inputs *in);
+/* Make `rows` expert-output rows at `src` readable by node-mates: copied into this rank's
+ * combine input (exchange.token) unless they are there already. Returns that address. */
+const void *hep_shm_stage_combine_input(hep_backend_ctx *g, const void *src, int rows);
+
+#endif
