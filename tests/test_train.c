@@ -376,6 +376,41 @@ static int interleaved(rank_ctx *rx)
             if (hep_combine(g, &ca) != HEP_ERR_INVALID) /* once, as before */
                 BAD(c, r, "rank %d: a one-shot handle combined twice", r);
         }
+        /* the one-shot layout with probabilities through hep_combine_ex and no handle (it
+         * used to reach the host backend as a NULL layout) */
+        rc = hep_dispatch(g, &da, &dr);
+        if (rc || dr.handle == 0) {
+            BAD(c, r, "rank %d: one-shot dispatch: %s", r, hep_last_error());
+        } else if (probs) {
+            hep_combine_opts co;
+            float *pin = malloc(sizeof(float) * (size_t)(dr.num_recv + 1) * EL);
+            float *pout = malloc(sizeof(float) * NT * NW * EL);
+            for (int p = 0; p < dr.num_recv; p++)
+                for (int h = 0; h < NH; h++)
+                    eo[(size_t)p * NH + h] = out_val(r, p);
+            for (int p = 0; p < dr.num_recv * EL; p++)
+                pin[p] = prob_val(r, p);
+            memset(&co, 0, sizeof(co));
+            co.probs_in = pin;
+            co.probs_out = pout;
+            memset(&ca, 0, sizeof(ca));
+            ca.handle = dr.handle;
+            ca.expert_out = eo;
+            ca.out = out2;
+            if ((rc = hep_combine_ex(g, &ca, &co)))
+                BAD(c, r, "rank %d: one-shot combine with probabilities: %s", r,
+                    hep_last_error());
+            else
+                check_combine(c, r, 1, 0, out2, pout);
+            free(pin), free(pout);
+        } else { /* the one-shot layout still wants its combine */
+            memset(&ca, 0, sizeof(ca));
+            ca.handle = dr.handle;
+            ca.expert_out = eo;
+            ca.out = out2;
+            if ((rc = hep_combine(g, &ca)))
+                BAD(c, r, "rank %d: one-shot combine: %s", r, hep_last_error());
+        }
         free(eo), free(out2);
     }
 out:

@@ -1470,17 +1470,22 @@ static int host_dispatch(hep_backend_ctx *g, const hep_dispatch_args *a, hep_dis
     return rc;
 }
 
-/* c given: c->handle is the layout (h is the same handle); none: the one-shot layout. */
+/* c->handle given: that layout (h is the same handle); else the one-shot layout, with c's
+ * probabilities when c is given. */
 static int host_combine(hep_backend_ctx *g, const hep_combine_args *a, const hep_handle *h,
                         const hep_combine_opts *c)
 {
-    hep_combine_opts none;
+    hep_combine_opts one_shot;
     (void)h;
-    if (c)
+    if (c && c->handle)
         return combine_ex(g, a, c);
-    memset(&none, 0, sizeof(none));
-    none.handle = g->own_handle;
-    return combine_ex(g, a, &none);
+    /* the one-shot layout, with the caller's probabilities if any */
+    if (c)
+        one_shot = *c;
+    else
+        memset(&one_shot, 0, sizeof(one_shot));
+    one_shot.handle = g->own_handle;
+    return combine_ex(g, a, &one_shot);
 }
 
 static int host_sync(hep_backend_ctx *g, void *stream)
