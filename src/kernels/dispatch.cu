@@ -165,6 +165,8 @@ __device__ void record_routing(const hep_kargs &a)
     }
 }
 
+static_assert(DISPATCH_THREADS >= HEP_GPU_MAX_NODES, "one thread per other node (wait_slots)");
+
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
 {
     extern __shared__ int sm[];
