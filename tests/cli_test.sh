@@ -76,6 +76,16 @@ plan_rejects_capacity_above_worst_case() { fails_with 1 "config.max_recv_rows = 
     "$H" plan --nodes 2 --ranks-per-node 8 --tokens 4096 --max-recv-rows 65537; }
 plan_json() { "$H" plan --nodes 2 --ranks-per-node 4 --dtype fp8 --json |
     python3 -c 'import json,sys; d=json.load(sys.stdin); n=[b for b in d["buffers"] if b["rdma_registered"]]; sys.exit(0 if len(n)==14 else 1)'; }
+# issue 15: the GPU kernels take up to 128 nodes; 129 are refused naming the limit
+plan_gpu_128_nodes_of_8_ranks() { "$H" plan --nodes 128 --ranks-per-node 8 --hidden 7168 --tokens 4096 \
+    --experts-per-rank 4 --topk 8 --dtype bf16 --json | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+b = {x["name"]: x for x in d["buffers"]}
+sys.exit(0 if d["backend"] == "gpu" and d["max_recv_rows"] == 1024 * 4096
+         and b["dispatch.rdma_inter_node_group_token"]["count"] == 127 * 4096 * 7168 else 1)'; }
+plan_gpu_rejects_129_nodes() { fails_with 1 "129 nodes is not in 1..128 (the GPU backend's limit)" \
+    "$H" plan --nodes 129 --ranks-per-node 8; }
 plan_rejects_fp8_hidden() { fails_with 1 "multiple of 128" "$H" plan --dtype fp8 --hidden 7000; }
 plan_help_lists_defaults_and_env() { run "$H" plan --help; test $rc -eq 0 &&
     grep -q -- "--hidden H.*default 7168" "$T/o" && grep -q HEP_TIMEOUT_MS "$T/o"; }
@@ -139,6 +149,7 @@ bench_sweep_rejects_bad_list() { fails_with 2 "--sweep-sms 0 is out of range (al
 for t in plan_ep64 plan_accepts_opt_equals_value plan_ep64_capacity_advice \
     plan_text_prints_capacity_advice plan_capacity_advice_all_tokens \
     plan_max_recv_rows_sizes_the_receive_buffers plan_rejects_capacity_above_worst_case plan_json plan_rejects_fp8_hidden \
+    plan_gpu_128_nodes_of_8_ranks plan_gpu_rejects_129_nodes \
     plan_help_lists_defaults_and_env bench_help_lists_defaults version_names_the_library \
     unknown_argument_exits_2 unknown_command_exits_2 doctor_text_exits_0 doctor_prints_the_version \
     doctor_json_is_one_document bench_host_runs_and_says_so bench_host_two_nodes_runs \

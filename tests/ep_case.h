@@ -7,7 +7,7 @@
 
 #include "hybridep/hybridep.h"
 
-#define EP_MAX_RANKS 16
+#define EP_MAX_RANKS 128 /* test_gpu_ep: 128 virtual nodes of one rank */
 
 typedef struct ep_rank_in {
     int t;

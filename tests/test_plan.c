@@ -164,6 +164,34 @@ static void plan_buffers_do_not_overlap_unless_aliased(void **state)
         }
 }
 
+/* The GPU backend at its node limit, 128 nodes x 8 ranks (EP1024), T 16, H 256, E_l 2, K 8:
+ * the kernels' per-node buffers sized by hand; 129 nodes are refused. */
+static void plan_gpu_128_nodes_of_8_ranks(void **state)
+{
+    hep_config c = base(256, 16, 2, 8, HEP_DTYPE_BF16);
+    static hep_plan p;
+    (void)state;
+    assert_int_equal(c.backend, HEP_BACKEND_GPU);
+    assert_int_equal(HEP_MAX_NODES_GPU, 128);
+    c.ranks_per_node = 8;
+    assert_int_equal(hep_config_check(&c, 128 * 8), HEP_OK);
+    assert_int_equal(hep_plan_make(&c, 128, 8, &p), HEP_OK);
+    assert_int_equal(p.max_recv_rows, 1024 * 16);
+    /* [node][T][R] + [T][N] + [132 blocks][N] positions; [N][132 blocks][R] block counts */
+    assert_int_equal(p.buf[HEP_BUF_HANDLE_ROWS].bytes, (16 * 1024 + 16 * 128 + 132 * 128) * 4);
+    assert_int_equal(p.buf[HEP_BUF_HANDLE_BLOCKS].bytes, 132 * 1024 * 4);
+    /* counts double-buffered: [2][N][R][E_l + 1] */
+    assert_int_equal(p.buf[HEP_BUF_COUNTS].bytes, 2 * 128 * 8 * 3 * 4);
+    /* the proxy's ready words: 2 phases x N nodes */
+    assert_int_equal(p.buf[HEP_BUF_PROXY].bytes, 2 * 128 * HEP_PX_NODE_WORDS * 8);
+    /* one slot of T rows for each of the 127 other nodes */
+    assert_int_equal(p.buf[HEP_BUF_D_GROUP_TOKEN].bytes, 127 * 16 * 256 * 2);
+    assert_true(p.buf[HEP_BUF_D_GROUP_FLAGS].present);
+    c.ranks_per_node = 1;
+    assert_int_equal(hep_config_check(&c, 129), HEP_ERR_INVALID);
+    assert_non_null(strstr(hep_last_error(), "129 nodes is not in 1..128"));
+}
+
 static void expect_invalid(hep_config c, int nodes, int rpn, const char *needle)
 {
     hep_plan p;
@@ -201,7 +229,8 @@ static void plan_refuses_every_invalid_field(void **state)
     c.dtype = HEP_DTYPE_FP8_E4M3;
     c.hidden = 1000;
     expect_invalid(c, 1, 4, "multiple of 128");
-    expect_invalid(ok, 0, 4, "0 nodes is not in 1..32");
+    expect_invalid(ok, 0, 4, "0 nodes is not in 1..128");
+    expect_invalid(ok, 129, 4, "129 nodes is not in 1..128 (the GPU backend's limit)");
     expect_invalid(ok, 1, 0, "0 ranks per node is not in 1..32");
 #undef BAD
 }
@@ -216,6 +245,7 @@ int main(void)
         cmocka_unit_test(plan_ep64_fits_the_stated_budget),
         cmocka_unit_test(plan_buffers_do_not_overlap_unless_aliased),
         cmocka_unit_test(plan_bf16_two_nodes_alias_slots_of_the_same_node),
+        cmocka_unit_test(plan_gpu_128_nodes_of_8_ranks),
         cmocka_unit_test(plan_refuses_every_invalid_field),
     };
     return cmocka_run_group_tests_name("plan", tests, NULL, NULL);

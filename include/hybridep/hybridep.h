@@ -32,11 +32,12 @@ typedef enum { HEP_BACKEND_GPU = 0, HEP_BACKEND_HOST = 1 } hep_backend;
 #define HEP_FP8_BLOCK 128
 
 /* Group shapes each backend can create (hep_config_check and group creation refuse
- * others). GPU: the kernels give one warp lane to each node-mate and to each node. Host:
+ * others). GPU: the kernels give one warp lane to each node-mate, and to each node of a
+ * word of 32 nodes (taken one word after another). Host:
  * its ranks are threads of one process (with the in-process bootstrap at most 4096). Any
  * backend: world x max_tokens <= 2^30 receive rows. */
 #define HEP_MAX_RANKS_PER_NODE_GPU 32
-#define HEP_MAX_NODES_GPU 32
+#define HEP_MAX_NODES_GPU 128
 #define HEP_MAX_RANKS_PER_NODE_HOST 64
 #define HEP_MAX_NODES_HOST 128
 

@@ -44,7 +44,9 @@ __device__ __forceinline__ uint4 pack8(const float *f)
 
 // The rows one warp sums for a token: destination d's row (lane d holds it, -1 if none) in
 // ascending local rank, then each other node's partial sum (lane M holds its position in
-// slot M's rows, -1 if none) in ascending node.
+// slot M's rows, -1 if none) in ascending node. With N > 32 nodes (WIDE) npos and nmask
+// are not used: the partial sums are read from the token's node_pos row a word of 32
+// nodes at a time.
 struct row_set {
     unsigned mask, nmask;
     int row, npos;
@@ -53,10 +55,10 @@ struct row_set {
 // One warp: out = the f32 sum of the token's rows, rounded to BF16 once. Each pass holds CU
 // vectors per lane of CD rows in flight together (CU x CD x 512 bytes a warp); the rows are
 // added one after another in the documented order, so every (CU, CD) gives the same bits.
-template <int CU, int CD>
+template <int CU, int CD, bool WIDE>
 __device__ __forceinline__ void sum_rows(const row_set &rs, const char *const *s_x,
                                          const char *parts, int node, size_t rb, size_t T,
-                                         uint4 *out)
+                                         uint4 *out, const int *np, int nn)
 {
     const int lane = threadIdx.x & 31;
     const int nvec = (int)(rb / 16);
@@ -98,7 +100,27 @@ __device__ __forceinline__ void sum_rows(const row_set &rs, const char *const *s
                     for (int u = 0; u < CU; u++)
                         acc8(f[u], v[c][u]);
         }
-        for (unsigned m = rs.nmask; m; m &= m - 1) { // the other nodes' partial sums
+        for (int g0 = 0; WIDE && g0 < nn; g0 += 32) { // WIDE: np[M] for the nodes M < nn
+            const int M0 = g0 + lane;
+            const int npos = M0 < nn && M0 != node ? np[M0] : -1;
+            for (unsigned m = __ballot_sync(FULL, npos >= 0); m; m &= m - 1) {
+                const int q = __ffs(m) - 1;
+                const uint4 *src =
+                    (const uint4 *)(parts + ((size_t)slot_index(g0 + q, node) * T +
+                                             (size_t)__shfl_sync(FULL, npos, q)) *
+                                                rb);
+                uint4 v[CU];
+#pragma unroll
+                for (int u = 0; u < CU; u++) {
+                    const int k = v0 + u * 32 + lane;
+                    v[u] = k < v1 ? ld_cg(src + k) : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+                for (int u = 0; u < CU; u++)
+                    acc8(f[u], v[u]);
+            }
+        }
+        for (unsigned m = WIDE ? 0u : rs.nmask; m; m &= m - 1) { // the other nodes' partial sums
             const int M = __ffs(m) - 1;
             const uint4 *src = (const uint4 *)(parts + ((size_t)slot_index(M, node) * T +
                                                         (size_t)__shfl_sync(FULL, rs.npos, M)) *
@@ -154,23 +176,39 @@ __device__ __forceinline__ void copy_row(const uint4 *src, uint4 *out, size_t rb
 // (parts != NULL, own tokens) plus each other node's partial sum of it. A single row is
 // copied (CV vectors a lane in flight); several rows are summed two at a time, four
 // vectors a lane each (bench/NOTES.md has the shapes tried; these fit 128 registers).
+// WIDE (N > 32, own tokens): the other nodes are counted a word of 32 at a time.
+template <bool WIDE>
 __device__ __forceinline__ void combine_row(const hep_kargs &a, const char *const *s_x, int L,
                                             int i, int mybase, uint4 *out, const char *parts)
 {
     const int lane = threadIdx.x & 31, R = a.R;
     const size_t rb = (size_t)a.H * 2, T = (size_t)a.T;
+    const int *np = a.node_pos + (size_t)i * a.N; /* the token's row in each node's slot */
     row_set rs;
     const int pos = lane < R ? a.dest_rows[((size_t)L * T + i) * R + lane] : -1;
     rs.row = pos >= 0 ? mybase + pos : -1;
     rs.mask = __ballot_sync(FULL, rs.row >= 0);
-    rs.npos = parts && lane < a.N && lane != a.node ? a.node_pos[(size_t)i * a.N + lane] : -1;
+    rs.npos = !WIDE && parts && lane < a.N && lane != a.node ? np[lane] : -1;
     rs.nmask = __ballot_sync(FULL, rs.npos >= 0);
-    const int n = __popc(rs.mask) + __popc(rs.nmask);
+    int n = __popc(rs.mask) + __popc(rs.nmask);
+    const uint4 *part1 = NULL; /* WIDE: the first partial sum (the row when n == 1) */
+    for (int g0 = 0; WIDE && parts && g0 < a.N; g0 += 32) {
+        const int M = g0 + lane;
+        const int p = M < a.N && M != a.node ? np[M] : -1;
+        const unsigned bl = __ballot_sync(FULL, p >= 0);
+        if (bl && !part1)
+            part1 = (const uint4 *)(parts + ((size_t)slot_index(g0 + __ffs(bl) - 1, a.node) * T +
+                                             (size_t)__shfl_sync(FULL, p, __ffs(bl) - 1)) *
+                                                rb);
+        n += __popc(bl);
+    }
     if (n == 1) {
         const uint4 *src;
         if (rs.mask) {
             const int d = __ffs(rs.mask) - 1;
             src = (const uint4 *)(s_x[d] + (size_t)__shfl_sync(FULL, rs.row, d) * rb);
+        } else if (WIDE) {
+            src = part1;
         } else {
             const int M = __ffs(rs.nmask) - 1;
             src = (const uint4 *)(parts + ((size_t)slot_index(M, a.node) * T +
@@ -183,7 +221,17 @@ __device__ __forceinline__ void combine_row(const hep_kargs &a, const char *cons
             out[k] = z;
     }
     else
-        sum_rows<4, 2>(rs, s_x, parts, a.node, rb, T, out);
+        sum_rows<4, 2, WIDE>(rs, s_x, parts, a.node, rb, T, out, np, a.N);
+}
+
+// An own token's row (N > 32: the wide count of the other nodes' partial sums).
+__device__ __forceinline__ void combine_own(const hep_kargs &a, const char *const *s_x, int i,
+                                            int mybase, uint4 *out, const char *parts)
+{
+    if (a.N > 32)
+        combine_row<true>(a, s_x, a.node, i, mybase, out, parts);
+    else
+        combine_row<false>(a, s_x, a.node, i, mybase, out, parts);
 }
 
 // The probabilities through combine (N = 1; the caller handle's routing in rec_ids): for
@@ -354,6 +402,8 @@ __device__ __forceinline__ void em_wait_readers(const hep_kargs &a, unsigned lon
                   threadIdx.x);
 }
 
+static_assert(COMBINE_THREADS >= HEP_GPU_MAX_NODES, "one thread per node (tid < N)");
+
 template <bool EM>
 __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
 {
@@ -411,8 +461,8 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
             block_range(t, b, S, t0, t1);
             warp_range(t0, t1, warp, wpb, w0, w1);
             for (int i = w0; i < w1; i++)
-                combine_row(a, s_x, L, i, mybase,
-                            (uint4 *)(a.red_token + ((size_t)s * T + i) * rb), NULL);
+                combine_row<false>(a, s_x, L, i, mybase,
+                                   (uint4 *)(a.red_token + ((size_t)s * T + i) * rb), NULL);
             __syncthreads();
             if (tid == 0) {
                 unsigned long long *w = a.px + HEP_PX_WORD(N, 1, L) + 3 * b;
@@ -448,7 +498,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
         if (EM)
             em_combine_row(a, s_x, i, out);
         else
-            combine_row(a, s_x, a.node, i, mybase, out, parts);
+            combine_own(a, s_x, i, mybase, out, parts);
     }
 #else
     // Every warp of the rank takes the next GRAB own tokens from the rank's work counter
@@ -467,7 +517,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
             if (EM)
                 em_combine_row(a, s_x, i, out);
             else
-                combine_row(a, s_x, a.node, i, mybase, out, parts);
+                combine_own(a, s_x, i, mybase, out, parts);
         }
         next = __shfl_sync(FULL, pending, 0);
     }

@@ -165,6 +165,8 @@ __device__ void record_routing(const hep_kargs &a)
     }
 }
 
+static_assert(DISPATCH_THREADS >= HEP_GPU_MAX_NODES, "one thread per other node (wait_slots)");
+
 #include "kernels/expert_major.cuh"
 
 // EM: the expert-major layout (one node, kernels/expert_major.cuh); the rank-major kernel

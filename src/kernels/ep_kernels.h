@@ -41,7 +41,7 @@
 #include <stdint.h>
 
 #define HEP_GPU_MAX_LOCAL 32 /* ranks per node of the GPU kernels (one warp of lanes) */
-#define HEP_GPU_MAX_NODES 32 /* nodes of the GPU kernels (one warp of lanes) */
+#define HEP_GPU_MAX_NODES 128 /* nodes of the GPU kernels (words of 32 lanes) */
 
 /* Layout of a rank's flags buffer (u64 monotonic counters), in words. */
 #define HEP_FLAG_COUNTS_READY 0     /* this rank published its counts for call e */

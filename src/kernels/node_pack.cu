@@ -13,6 +13,8 @@
 #define PACK_THREADS 512
 #endif
 
+static_assert(PACK_THREADS >= HEP_GPU_MAX_NODES, "one thread per node (tid < N)");
+
 __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
 {
     extern __shared__ int ncnt[]; // [N][R][El + 1]: the count block of each node's slot
@@ -21,7 +23,8 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
     const size_t CBW = HEP_COUNT_BLOCK_WORDS((size_t)R, (size_t)El);
     const int nwarps = blockDim.x >> 5, S = gridDim.x, b = blockIdx.x;
     const long long Enode = (long long)a.El * a.R, E = Enode * N;
-    __shared__ int wcnt[32][HEP_GPU_MAX_NODES], run[HEP_GPU_MAX_NODES], pre[HEP_GPU_MAX_NODES],
+    /* per node; the tile offsets per warp for one word of 32 nodes at a time */
+    __shared__ int wcnt[32][32], run[HEP_GPU_MAX_NODES], pre[HEP_GPU_MAX_NODES],
         tot[HEP_GPU_MAX_NODES];
     __shared__ int s_last;
     int *cblocks = (int *)(a.send_words + 3 * N); /* the count blocks, 2 x CBW words apart */
@@ -38,30 +41,37 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
     __syncthreads();
     block_range(a.t, b, S, t0, t1);
 
-    for (int tile = t0; tile < t1; tile += blockDim.x) {
-        const int i = tile + tid;
-        unsigned mask = 0;
-        if (i < t1)
-            for (int k = 0; k < a.K; k++) {
-                long long x = topk_at(a, i, k);
-                if (x < 0 || x >= E || (int)(x / Enode) == a.node)
-                    continue;
-                const int m = (int)(x / Enode), d = (int)((x % Enode) / El);
-                bool dup_rank = false, dup = false;
-                for (int q = 0; q < k; q++) {
-                    long long y = topk_at(a, i, q);
-                    dup |= y == x;
-                    dup_rank |= y >= 0 && y < E && y / El == x / El;
+    // nodes in words of 32 (one pass with N <= 32): a token's mask holds the nodes
+    // [g0, g0 + 32); each id is counted in the one pass of its node
+    for (int tile = t0; tile < t1; tile += blockDim.x)
+        for (int g0 = 0; g0 < N; g0 += 32) {
+            const int i = tile + tid;
+            unsigned mask = 0;
+            if (i < t1)
+                for (int k = 0; k < a.K; k++) {
+                    long long x = topk_at(a, i, k);
+                    if (x < 0 || x >= E || (int)(x / Enode) == a.node)
+                        continue;
+                    const int m = (int)(x / Enode), d = (int)((x % Enode) / El);
+                    if ((unsigned)(m - g0) >= 32u)
+                        continue; /* another word's node */
+                    bool dup_rank = false, dup = false;
+                    for (int q = 0; q < k; q++) {
+                        long long y = topk_at(a, i, q);
+                        dup |= y == x;
+                        dup_rank |= y >= 0 && y < E && y / El == x / El;
+                    }
+                    mask |= 1u << (m - g0);
+                    int *c = ncnt + (size_t)m * CBI + (size_t)d * (El + 1);
+                    if (!dup_rank)
+                        atomicAdd(c, 1); /* the token goes to rank d of node m once */
+                    if (!dup)
+                        atomicAdd(c + 1 + (int)(x % El), 1);
                 }
-                mask |= 1u << m;
-                int *c = ncnt + (size_t)m * CBI + (size_t)d * (El + 1);
-                if (!dup_rank)
-                    atomicAdd(c, 1); /* the token goes to rank d of node m once */
-                if (!dup)
-                    atomicAdd(c + 1 + (int)(x % El), 1);
-            }
-        tile_positions(mask, N, i < t1, a.node_pos + (size_t)i * N, &wcnt[0][0], run);
-    }
+            /* out[d] = node_pos[i][g0 + d]: the row stride stays N */
+            tile_positions(mask, min(32, N - g0), i < t1, a.node_pos + (size_t)i * N + g0,
+                           &wcnt[0][0], run + g0);
+        }
     if (tid < N)
         a.node_blocks[(size_t)b * N + tid] = run[tid];
     grid_arrive(a.pack_arrive);
@@ -90,26 +100,28 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
     // copy each token once per node that needs it: row, sanitized routing, scales
     const size_t rb = (size_t)a.H * a.esize, nvec = rb / 16, T = (size_t)a.T;
     for (int i = t0 + warp; i < t1; i += nwarps) {
-        const int pos = lane < N ? a.node_pos[(size_t)i * N + lane] : -1;
-        const unsigned mask = __ballot_sync(FULL, pos >= 0);
         long long myid = lane < a.K ? topk_at(a, i, lane) : -1;
         if (myid < -1 || myid >= E)
             myid = -1; /* reported by the dispatch kernel; travels as an unused slot */
         const float myw = lane < a.K ? a.weights[(size_t)i * a.K + lane] : 0.f;
         const uint4 *src = (const uint4 *)((const char *)a.tokens + (size_t)i * rb);
-        for (unsigned m = mask; m; m &= m - 1) {
-            const int L = __ffs(m) - 1;
-            const size_t j = (size_t)slot_index(L, a.node);
-            const size_t row = (size_t)__shfl_sync(FULL, pos, L);
-            uint4 *dst = (uint4 *)(a.send_token + (j * T + row) * rb);
-            for (size_t v = lane; v < nvec; v += 32)
-                dst[v] = __ldg(src + v);
-            if (lane < a.kmax) {
-                a.send_route[(j * 2 * T + row) * a.kmax + lane] = (int)myid;
-                ((float *)a.send_route)[(j * 2 * T + T + row) * a.kmax + lane] = myw;
+        for (int g0 = 0; g0 < N; g0 += 32) { /* lane q: node g0 + q (one word with N <= 32) */
+            const int pos = g0 + lane < N ? a.node_pos[(size_t)i * N + g0 + lane] : -1;
+            const unsigned mask = __ballot_sync(FULL, pos >= 0);
+            for (unsigned m = mask; m; m &= m - 1) {
+                const int q = __ffs(m) - 1, L = g0 + q;
+                const size_t j = (size_t)slot_index(L, a.node);
+                const size_t row = (size_t)__shfl_sync(FULL, pos, q);
+                uint4 *dst = (uint4 *)(a.send_token + (j * T + row) * rb);
+                for (size_t v = lane; v < nvec; v += 32)
+                    dst[v] = __ldg(src + v);
+                if (lane < a.kmax) {
+                    a.send_route[(j * 2 * T + row) * a.kmax + lane] = (int)myid;
+                    ((float *)a.send_route)[(j * 2 * T + T + row) * a.kmax + lane] = myw;
+                }
+                for (int c = lane; c < a.nscale; c += 32)
+                    a.send_scale[(j * T + row) * a.nscale + c] = a.scales[(size_t)i * a.nscale + c];
             }
-            for (int c = lane; c < a.nscale; c += 32)
-                a.send_scale[(j * T + row) * a.nscale + c] = a.scales[(size_t)i * a.nscale + c];
         }
     }
     __syncthreads();
