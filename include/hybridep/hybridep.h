@@ -298,7 +298,7 @@ typedef struct hep_dispatch_opts {
  * dispatch kernel straight into every node-mate's recv_*; every rank of a call must use
  * the expert-major layout alike; the counts reach the host in the blocking mode only),
  * nothing of this across nodes; the host backend has all of them except expert-major
- * across processes. */
+ * across nodes (it has it for threads or processes of one node). */
 int hep_dispatch_ex(hep_group *g, const hep_dispatch_args *a, hep_dispatch_opts *opts,
                     hep_dispatch_result *out);
 
@@ -318,9 +318,13 @@ typedef struct hep_combine_opts {
  * Errors as hep_combine, and HEP_ERR_INVALID for a handle of another group or
  * without a layout, probs_in without probs_out, expert_out == hep_combine_input(g) when
  * that buffer no longer holds the handle's rows (another dispatch or a combine ran since);
+ * The host backend with the node's ranks in several processes passes expert_out and
+ * probs_in to the node-mates through this rank's exchange.token and dispatch.recv_prob
+ * (max_recv_rows rows a round): such a combine overwrites the zero-copy tokens and
+ * probabilities of the last dispatch.
  * HEP_ERR_UNAVAILABLE: the GPU kernels across nodes, or probabilities without a caller
  * handle (the one-shot layout records no routing); the host backend's probabilities
- * across nodes or processes. */
+ * across nodes (it has them for threads or processes of one node). */
 int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_opts *opts);
 
 /* Where to write expert outputs for a combine without a copy: [max_recv_rows, H] BF16,

@@ -15,8 +15,9 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the pointe
 class ThreadWorld:
     """`size` ranks as threads of this process (the C library's in-process bootstrap):
     `Buffer(world.rank(r), ...)` in thread r. What one process driving several virtual
-    ranks needs (one GPU, or the host backend, where the expert-major layout and the
-    probabilities through combine are implemented for ranks of one process). Every
+    ranks needs (one GPU, whose kernels have the expert-major layout and the probabilities
+    through combine for ranks of one process; the host backend has them across the
+    processes of one node too). Every
     collective waits at most HEP_TIMEOUT_MS and names the ranks that did not come."""
 
     def __init__(self, size):

@@ -122,10 +122,21 @@ def _compat(rank, world):
     tokens2, _, _, handle2 = b.dispatch(hidden=hidden, handle=handle)
     assert torch.equal(tokens2, tokens)
     b.combine(hidden=tokens2, handle=handle2)
-    # across processes the host backend has no expert-major layout yet: the library says so
-    with pytest.raises(hybridep.HybridEPError, match="across processes"):
-        b.dispatch_with_permute(hidden=hidden, routing_map=routing_map, probs=dense,
-                                num_of_experts=E, pad_multiple=16)
+    # the expert-major layout across processes: the rank-major rows grouped by local expert
+    # (receive order), each block padded with zero rows to 16
+    ptok, pprob, _, ptpe, _ = b.dispatch_with_permute(hidden=hidden, routing_map=routing_map,
+                                                      probs=dense, num_of_experts=E,
+                                                      pad_multiple=16)
+    etok, etpe = [], []
+    for e in range(EL):
+        rows = [exp_rows[j] for j, (s, i) in enumerate(origin)
+                if bool((all_in[s][1][i].long() == rank * EL + e).any())]
+        n = (len(rows) + 15) // 16 * 16
+        etok += rows + [torch.zeros(H, dtype=torch.bfloat16)] * (n - len(rows))
+        etpe.append(n)
+    assert ptpe.tolist() == etpe, (ptpe.tolist(), etpe)
+    assert torch.equal(ptok, torch.stack(etok) if etok else ptok[:0])
+    assert pprob.shape[0] == ptok.shape[0]
     with pytest.raises(ValueError, match="handle of a dispatch_with_permute"):
         b.combine_with_unpermute(hidden=tokens, handle=handle)
     with pytest.raises(NotImplementedError, match="combine_with_unpermute carry them"):

@@ -23,6 +23,11 @@ enum { HEP_MB_TOKENS, HEP_MB_SCALES, HEP_MB_IDX, HEP_MB_WEIGHTS, HEP_MB_T, HEP_M
        HEP_MB_PROBS_IN, /* combine: its probs_in, or 0 */
        HEP_MB_DEPARTED = 16 /* [R]: node-mate l entered destroy (it no longer reads here) */ };
 
+/* Across processes (ref/host_shm.h): the words that start a rank's combine layout in its
+ * segment, then [W][E_l] int32 (expert-major: each source's first row in block e). */
+enum { HEP_SHM_COMB_LAYOUT, HEP_SHM_COMB_ROWS, HEP_SHM_COMB_BUDGET, HEP_SHM_COMB_PROBS,
+       HEP_SHM_COMB_WORDS };
+
 struct hep_coord;
 struct hep_proxy;
 struct hep_shm;
@@ -49,6 +54,8 @@ typedef struct hep_backend_ctx {
     char *shm_local[HEP_MAX_LOCAL]; /* each node-mate's local arena, as mapped here */
     char *shm_stage[HEP_MAX_LOCAL]; /* each node-mate's input staging, as mapped here */
     size_t shm_st_scales, shm_st_idx, shm_st_weights; /* staging offsets (tokens at 0) */
+    char *shm_comb[HEP_MAX_LOCAL];  /* each node-mate's combine layout, as mapped here */
+    uint64_t shm_rounds;            /* combine rounds so far (every node-mate counts alike) */
     uint64_t handle_tag;            /* this group's tag in its handles */
     struct hep_handle *own_handle;  /* host backend: the layout of a one-shot dispatch */
     /* the record of the calls: written by the backends, read by the group layer */

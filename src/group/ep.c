@@ -252,11 +252,11 @@ static int check_dispatch_opts(hep_group *g, const hep_dispatch_args *a, const h
                         x->handle ? "a caller-owned handle (recording or reusing a layout)"
                                   : "writing the outputs into caller memory",
                         g->N);
-    if (g->shm && layout == HEP_LAYOUT_EXPERT_MAJOR)
+    if (g->shm && g->N > 1 && layout == HEP_LAYOUT_EXPERT_MAJOR)
         return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "hep_dispatch_ex: the expert-major layout needs the node-mates' layouts "
-                        "in one address space: the host backend has it for ranks of one process "
-                        "only, not across processes");
+                        "hep_dispatch_ex: the host backend has the expert-major layout across "
+                        "processes for one node only, not across %d nodes",
+                        g->N);
     return HEP_OK;
 }
 
@@ -339,11 +339,11 @@ int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_op
     h = c->handle ? c->handle : g->be.own_handle;
     if ((rc = hep_handle_check(g, h, 1, "hep_combine_ex")))
         return rc;
-    if (c->probs_in && g->cfg.backend == HEP_BACKEND_HOST && (g->N > 1 || g->shm))
+    if (c->probs_in && g->cfg.backend == HEP_BACKEND_HOST && g->N > 1)
         return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "hep_combine_ex: probabilities through combine are implemented for ranks "
-                        "of one process on one node only (this group has %d nodes%s)",
-                        g->N, g->shm ? ", its ranks in several processes" : "");
+                        "hep_combine_ex: probabilities through combine are implemented for one "
+                        "node only (this group has %d nodes)",
+                        g->N);
     if (c->probs_out && h->t > 0 && (rc = check_ptr(c->probs_out, 4, "hep_combine_ex: probs_out")))
         return rc;
     if ((rc = check_combine_buffers(g, a, h->t,

@@ -1,7 +1,7 @@
 /* group/shm.c: the host backend's node-shared memory across processes (see shm.h).
  *
- * Segment of one rank: [header page][shared arena][local arena][input staging], each part
- * page-aligned. Node-mates have the same plan, so the same offsets; a mate's segment is
+ * Segment of one rank: [header page][shared arena][local arena][input staging][combine
+ * layout], each part page-aligned. Node-mates have the same plan, so the same offsets; a mate's segment is
  * accepted only with the expected size, magic, rank and the key its owner sent through the
  * bootstrap (a stale or foreign segment of the same name is refused, never read). */
 #include <errno.h>
@@ -37,7 +37,7 @@ struct hep_shm {
     int linked;
     char *base;
     size_t len;
-    size_t off_local, off_stage;                 /* the shared arena starts at SHM_PAGE */
+    size_t off_local, off_stage, off_comb;       /* the shared arena starts at SHM_PAGE */
     size_t st_scales, st_idx, st_weights;        /* staging offsets (tokens at 0) */
     char *mate[HEP_MAX_LOCAL];                   /* node-mates' segments, mapped here */
 };
@@ -73,7 +73,11 @@ static int layout(const hep_group *g, struct hep_shm *s)
                         local);
     s->off_local = SHM_PAGE + page_up(shared);
     s->off_stage = s->off_local + page_up(local);
-    s->len = s->off_stage + page_up(stage);
+    s->off_comb = s->off_stage + page_up(stage);
+    /* the combine layout (backend/backend.h, HEP_SHM_COMB_*): its words, then [W][E_l]
+     * int32 (W < 2^31, E_l <= 1024: under 2^44 bytes, no overflow) */
+    s->len = s->off_comb +
+             page_up(HEP_SHM_COMB_WORDS * 8 + (size_t)g->world * (size_t)g->cfg.experts_per_rank * 4);
     return HEP_OK;
 }
 
@@ -274,6 +278,9 @@ void hep_shm_fill_view(const hep_group *g, hep_backend_ctx *b)
         b->shm_stage[l] = l == g->local ? s->base + s->off_stage
                           : s->mate[l]   ? s->mate[l] + s->off_stage
                                          : NULL;
+        b->shm_comb[l] = l == g->local ? s->base + s->off_comb
+                         : s->mate[l]   ? s->mate[l] + s->off_comb
+                                        : NULL;
     }
     b->shm_st_scales = s->st_scales;
     b->shm_st_idx = s->st_idx;

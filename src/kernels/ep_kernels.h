@@ -54,6 +54,10 @@
 #define HEP_FLAG_EM_SCALES 3        /* recv_scales (FP8) */
 #define HEP_FLAG_EM_COMBINE_IN 4    /* the expert-major combine's expert_out */
 #define HEP_FLAG_EM_PROBS_IN 5      /* its probs_in (or 0) */
+#define HEP_FLAG_HOST_ROUND 6      /* host backend across processes: combine round staged */
+#define HEP_FLAG_HOST_ROUND_READ 7 /* ... and read (ref/host_backend.c, combine_rounds) */
+#define HEP_FLAG_HOST_ROUND 6       /* host backend across processes: combine round v staged */
+#define HEP_FLAG_HOST_ROUND_READ 7  /* ... and read (ref/host_backend.c, combine_rounds) */
 #define HEP_FLAG_COMBINE_READY 8    /* this rank's combine input rows are in place for call e */
 #define HEP_FLAG_HOST_DONE 9        /* host backend: this rank finished reading, call e (dispatch; + 1: combine) */
 #define HEP_FLAG_BLAME 11           /* 0, or 1 + the rank this rank's kernels gave up on */

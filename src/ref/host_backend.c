@@ -1147,6 +1147,7 @@ typedef struct combine_run {
     float *acc;
     const hep_combine_opts *co;
     void *out;
+    const void *in;        /* this rank's expert outputs (combine_rounds) */
     int next_tok;          /* this rank's next token to sum */
 } combine_run;
 
@@ -1340,6 +1341,92 @@ static int combine_loop(hep_backend_ctx *g, uint64_t e, combine_run *r)
     }
 }
 
+/* One node across processes (g->shm, N = 1): a node-mate's input cannot be read where its
+ * caller keeps it, so it passes through its exchange.token (and dispatch.recv_prob), at
+ * most max_recv_rows rows a round: node-mate by node-mate in local-rank order, each
+ * mate's rows in ascending order. Every rank keeps an f32 sum per own token and adds, in
+ * each round, the rows of that round it needs: per token that is node-mate by node-mate,
+ * and within an expert-major one ascending local expert (its blocks are in expert order,
+ * so ascending row), the order of add_node_share, so the sums are the same bits. */
+static int combine_rounds(hep_backend_ctx *g, combine_run *r)
+{
+    const int El = g->cfg->experts_per_rank, t = g->last_t, cap = (int)g->plan->max_recv_rows;
+    const size_t H = (size_t)g->cfg->hidden;
+    const size_t E = (size_t)El * (size_t)g->world;
+    float *acc = malloc(sizeof(float) * H * (size_t)(t > 0 ? t : 1));
+    int *en = malloc(sizeof(int) * (size_t)El);
+    int rc = HEP_OK;
+    if (!acc || !en) {
+        free(acc), free(en);
+        return hep_fail(HEP_ERR_NOMEM, "combine: out of memory");
+    }
+    for (int i = 0; i < t; i++) {
+        acc_clear(acc + (size_t)i * H, H);
+        if (r->co->probs_out)
+            memset(r->co->probs_out + (size_t)i * E, 0, E * sizeof(float));
+    }
+    for (int l = 0; l < g->R && rc == HEP_OK; l++) {
+        const int d = g->node * g->R + l;
+        const int *mbase = (const int *)mate_local(g, l, HEP_BUF_HANDLE_META);
+        const uint16_t *rows = (const uint16_t *)hep_be_peer_buf(g, l, HEP_BUF_TOKEN_X);
+        const float *pin = (const float *)hep_be_peer_buf(g, l, HEP_BUF_RECV_PROB);
+        hep_shm_comb mc;
+        hep_shm_mate_combine(g, l, &mc);
+        for (int lo = 0; lo < mc.rows && rc == HEP_OK; lo += cap) {
+            const int n = mc.rows - lo < cap ? mc.rows - lo : cap;
+            const int em = mc.layout == HEP_LAYOUT_EXPERT_MAJOR;
+            const uint64_t v = ++g->shm_rounds;
+            int next = 0;
+            if (l == g->local) {
+                hep_shm_stage_round(g, r->in, r->co->probs_in, em ? 1 : El, lo, n);
+                __atomic_store_n(flags_of(g, g->local) + HEP_FLAG_HOST_ROUND, v, __ATOMIC_RELEASE);
+            }
+            rc = wait_ge(g, flags_of(g, l) + HEP_FLAG_HOST_ROUND, v, d,
+                         "a round of its expert outputs", NULL);
+            if (rc)
+                break;
+            memset(en, 0, sizeof(int) * (size_t)El);
+            for (int i = 0; i < t; i++) {
+                float *a = acc + (size_t)i * H, *pout;
+                int es[32], ne;
+                if (!needs_rank(g, &r->mine, i, d))
+                    continue;
+                pout = r->co->probs_out ? r->co->probs_out + (size_t)i * E + (size_t)d * El : NULL;
+                ne = local_experts(g, &r->mine, i, d, es);
+                if (!em) {
+                    const int j = mbase[g->rank] + next++;
+                    if (j < lo || j >= lo + n)
+                        continue;
+                    for (size_t c = 0; c < H; c++)
+                        a[c] += bf16_f32(rows[(size_t)(j - lo) * H + c]);
+                    for (int q = 0; pout && mc.probs && q < ne; q++)
+                        pout[es[q]] = pin[(size_t)(j - lo) * (size_t)El + (size_t)es[q]];
+                    continue;
+                }
+                for (int q = 0; q < ne; q++) {
+                    long long p = (long long)mc.ebase[(size_t)g->rank * (size_t)El + (size_t)es[q]] +
+                                  en[es[q]]++;
+                    if (p >= mc.budget || p < lo || p >= lo + n)
+                        continue; /* dropped at dispatch, or another round's */
+                    for (size_t c = 0; c < H; c++)
+                        a[c] += bf16_f32(rows[(size_t)(p - lo) * H + c]);
+                    if (pout && mc.probs)
+                        pout[es[q]] = pin[p - lo];
+                }
+            }
+            __atomic_store_n(flags_of(g, g->local) + HEP_FLAG_HOST_ROUND_READ, v, __ATOMIC_RELEASE);
+            rc = wait_mates(g, HEP_FLAG_HOST_ROUND_READ, v, "the node-mates to read a round");
+        }
+    }
+    for (int i = 0; rc == HEP_OK && i < t; i++) {
+        uint16_t *out = (uint16_t *)r->out + (size_t)i * H;
+        for (size_t c = 0; c < H; c++)
+            out[c] = f32_bf16(acc[(size_t)i * H + c]);
+    }
+    free(acc), free(en);
+    return rc;
+}
+
 /* co->handle: the layout to combine with. */
 static int combine_ex(hep_backend_ctx *g, const hep_combine_args *a, const hep_combine_opts *co)
 {
@@ -1375,8 +1462,17 @@ static int combine_ex(hep_backend_ctx *g, const hep_combine_args *a, const hep_c
         (uint64_t)(uintptr_t)(a->expert_out ? a->expert_out : hep_be_buf(g, HEP_BUF_TOKEN_X));
     mb[HEP_MB_HANDLE] = (uint64_t)(uintptr_t)h;
     mb[HEP_MB_PROBS_IN] = (uint64_t)(uintptr_t)co->probs_in;
-    if (g->shm) /* across processes node-mates read this rank's exchange.token */
+    if (g->shm && g->N == 1) { /* across processes: in rounds (combine_rounds) */
+        hep_shm_comb mc;
+        mc.layout = h->layout;
+        mc.rows = h->layout == HEP_LAYOUT_EXPERT_MAJOR ? h->num_permuted : h->recv;
+        mc.budget = h->budget;
+        mc.probs = co->probs_in != NULL;
+        mc.ebase = h->ebase;
+        hep_shm_publish_combine(g, &mc);
+    } else if (g->shm) { /* across processes node-mates read this rank's exchange.token */
         hep_shm_stage_combine_input(g, a->expert_out, g->last_recv);
+    }
     __atomic_store_n(flags_of(g, g->local) + HEP_FLAG_COMBINE_READY, e, __ATOMIC_RELEASE);
     /* 0. the arrival words, on their own, before this rank waits for its node-mates: a peer
      * that gives up on this rank's partial sums then knows this rank came, even when a
@@ -1410,6 +1506,7 @@ static int combine_ex(hep_backend_ctx *g, const hep_combine_args *a, const hep_c
         r.acc = acc;
         r.co = co;
         r.out = a->out;
+        r.in = a->expert_out ? a->expert_out : hep_be_buf(g, HEP_BUF_TOKEN_X);
         recorded_view(g, &r.mine);
         for (int m = 0; m < g->N; m++) {
             rp[m].m = m;
@@ -1429,7 +1526,7 @@ static int combine_ex(hep_backend_ctx *g, const hep_combine_args *a, const hep_c
         if (g->N > 1)
             rc = combine_stream(g, e, rp);
         if (rc == HEP_OK)
-            rc = combine_loop(g, e, &r);
+            rc = g->shm && g->N == 1 ? combine_rounds(g, &r) : combine_loop(g, e, &r);
         if (rc == HEP_OK && g->N > 1 && (rc = hep_proxy_wait(g->proxy))) {
             snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", hep_last_error());
             g->broken = 1;

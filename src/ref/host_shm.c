@@ -45,3 +45,40 @@ const void *hep_shm_stage_combine_input(hep_backend_ctx *g, const void *src, int
         memmove(dst, src, (size_t)rows * (size_t)g->cfg->hidden * 2);
     return dst;
 }
+
+void hep_shm_publish_combine(hep_backend_ctx *g, const hep_shm_comb *c)
+{
+    uint64_t *w = (uint64_t *)g->shm_comb[g->local];
+    w[HEP_SHM_COMB_LAYOUT] = (uint64_t)c->layout;
+    w[HEP_SHM_COMB_ROWS] = (uint64_t)c->rows;
+    w[HEP_SHM_COMB_BUDGET] = (uint64_t)c->budget;
+    w[HEP_SHM_COMB_PROBS] = (uint64_t)c->probs;
+    if (c->layout == HEP_LAYOUT_EXPERT_MAJOR)
+        memcpy(w + HEP_SHM_COMB_WORDS, c->ebase,
+               sizeof(int) * (size_t)g->world * (size_t)g->cfg->experts_per_rank);
+}
+
+void hep_shm_mate_combine(const hep_backend_ctx *g, int l, hep_shm_comb *c)
+{
+    const uint64_t *w = (const uint64_t *)g->shm_comb[l];
+    c->layout = (int)w[HEP_SHM_COMB_LAYOUT];
+    c->rows = (int)w[HEP_SHM_COMB_ROWS];
+    c->budget = (int)w[HEP_SHM_COMB_BUDGET];
+    c->probs = (int)w[HEP_SHM_COMB_PROBS];
+    c->ebase = (const int *)(w + HEP_SHM_COMB_WORDS);
+}
+
+void hep_shm_stage_round(hep_backend_ctx *g, const void *rows, const float *probs, int ppr,
+                         int lo, int n)
+{
+    const size_t H = (size_t)g->cfg->hidden;
+    char *dst = hep_be_buf(g, HEP_BUF_TOKEN_X);
+    float *pdst = (float *)hep_be_buf(g, HEP_BUF_RECV_PROB);
+    const char *src = (const char *)rows + (size_t)lo * H * 2;
+    if (n <= 0)
+        return;
+    if (src != dst) /* memmove: the caller may pass rows inside it */
+        memmove(dst, src, (size_t)n * H * 2);
+    if (probs && probs + (size_t)lo * (size_t)ppr != pdst)
+        memmove(pdst, probs + (size_t)lo * (size_t)ppr, (size_t)n * (size_t)ppr * sizeof(float));
+}

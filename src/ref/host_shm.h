@@ -24,4 +24,22 @@ void hep_shm_mate_inputs(const hep_backend_ctx *g, int l, hep_shm_inputs *in);
  * combine input (exchange.token) unless they are there already. Returns that address. */
 const void *hep_shm_stage_combine_input(hep_backend_ctx *g, const void *src, int rows);
 
+/* The combine across the processes of one node, in rounds (ref/host_backend.c): each
+ * node-mate's rows (and probabilities) pass through its exchange.token (and
+ * dispatch.recv_prob) max_recv_rows rows at a time, as the GPU kernels copy rank-major
+ * inputs there. Its layout, for the node-mates: */
+typedef struct hep_shm_comb {
+    int layout, rows, budget, probs; /* hep_layout; rows of its input; budget; probs_in given */
+    const int *ebase;                /* expert-major: [W][E_l] each source's first row in e */
+} hep_shm_comb;
+/* Publish this rank's combine layout (h's) where its node-mates read it. */
+void hep_shm_publish_combine(hep_backend_ctx *g, const hep_shm_comb *c);
+/* Node-mate l's published layout. */
+void hep_shm_mate_combine(const hep_backend_ctx *g, int l, hep_shm_comb *c);
+/* Round of this rank's input: rows [lo, lo + n) of `rows` (BF16 [.., H]) and, if `probs`,
+ * its floats [lo * ppr, (lo + n) * ppr) into exchange.token / dispatch.recv_prob
+ * (n <= max_recv_rows, ppr <= E_l). */
+void hep_shm_stage_round(hep_backend_ctx *g, const void *rows, const float *probs, int ppr,
+                         int lo, int n);
+
 #endif
