@@ -54,8 +54,6 @@
 #define HEP_FLAG_EM_SCALES 3        /* recv_scales (FP8) */
 #define HEP_FLAG_EM_COMBINE_IN 4    /* the expert-major combine's expert_out */
 #define HEP_FLAG_EM_PROBS_IN 5      /* its probs_in (or 0) */
-#define HEP_FLAG_HOST_ROUND 6      /* host backend across processes: combine round staged */
-#define HEP_FLAG_HOST_ROUND_READ 7 /* ... and read (ref/host_backend.c, combine_rounds) */
 #define HEP_FLAG_HOST_ROUND 6       /* host backend across processes: combine round v staged */
 #define HEP_FLAG_HOST_ROUND_READ 7  /* ... and read (ref/host_backend.c, combine_rounds) */
 #define HEP_FLAG_COMBINE_READY 8    /* this rank's combine input rows are in place for call e */
