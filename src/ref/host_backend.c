@@ -442,6 +442,29 @@ typedef struct ring_peer {
     int got;          /* combine: partial sums of m read so far */
 } ring_peer;
 
+/* Rows of chunk k of a slot of cnt tokens, chunks of C. */
+static size_t chunk_rows(int cnt, int k, size_t C)
+{
+    const size_t left = (size_t)(cnt - k * (int)C);
+    return left < C ? left : C;
+}
+
+/* The proxy's chunk list of one phase: per other node, `per_chunk` entries for each chunk
+ * it sends, one for the slot's count, one per chunk it receives (its credit). */
+static hep_proxy_chunk *ring_chunk_list(const hep_backend_ctx *g, const ring_peer *rp,
+                                        size_t per_chunk, const char *phase)
+{
+    size_t total = 0;
+    hep_proxy_chunk *ch;
+    for (int m = 0; m < g->N; m++)
+        if (m != g->node)
+            total += (size_t)rp[m].nk * per_chunk + 1 + (size_t)rp[m].in_nk;
+    ch = malloc(sizeof(*ch) * (total ? total : 1));
+    if (!ch)
+        hep_fail(HEP_ERR_NOMEM, "%s: out of memory", phase);
+    return ch;
+}
+
 /* Pack chunk k of my slot for node d->m into its staging position (dispatch). */
 static void pack_chunk(hep_backend_ctx *g, const hep_dispatch_args *a, const view *mine,
                        const ring_peer *d, int k)
@@ -528,23 +551,16 @@ static int dispatch_stream(hep_backend_ctx *g, uint64_t e, const ring_peer *rp)
     const size_t rw = (size_t)g->cfg->max_topk * 4, B = ring_base(g);
     uint64_t *words = (uint64_t *)hep_be_buf(g, HEP_BUF_D_ATTN_FLAGS);
     uint64_t *in = (uint64_t *)hep_be_buf(g, HEP_BUF_D_GROUP_FLAGS);
-    size_t total = 0;
-    hep_proxy_chunk *ch;
+    hep_proxy_chunk *ch = ring_chunk_list(g, rp, 5, "dispatch");
     int n = 0, rc;
-    for (int m = 0; m < N; m++)
-        if (m != g->node)
-            total += (size_t)rp[m].nk * 5 + 1 + (size_t)rp[m].in_nk;
-    ch = malloc(sizeof(*ch) * (total ? total : 1));
     if (!ch)
-        return hep_fail(HEP_ERR_NOMEM, "dispatch: out of memory");
+        return HEP_ERR_NOMEM;
     for (int m = 0; m < N; m++) {
         const ring_peer *d = &rp[m];
         if (m == g->node)
             continue;
         for (int k = 0; k < d->nk; k++) {
-            const size_t p = (size_t)(k % P), rows = (size_t)(d->cnt - k * (int)C) < C
-                                                        ? (size_t)(d->cnt - k * (int)C)
-                                                        : C;
+            const size_t p = (size_t)(k % P), rows = chunk_rows(d->cnt, k, C);
             const size_t lr = (size_t)d->j * S + p * C, rr = (size_t)d->s * S + p * C;
             const uint64_t want = HEP_RING_VAL(e, k + 1);
             const volatile uint64_t *ready = words + src_word(g, m, (int)p);
@@ -1247,25 +1263,20 @@ static int combine_stream(hep_backend_ctx *g, uint64_t e, const ring_peer *rp)
     const int P = g->plan->ring, N = g->N;
     uint64_t *words = (uint64_t *)hep_be_buf(g, HEP_BUF_C_OUT_FLAGS);
     uint64_t *in = (uint64_t *)hep_be_buf(g, HEP_BUF_C_GROUP_FLAGS);
-    size_t total = 0;
-    hep_proxy_chunk *ch;
+    hep_proxy_chunk *ch = ring_chunk_list(g, rp, 2, "combine");
     int n = 0, rc;
-    for (int m = 0; m < N; m++)
-        if (m != g->node)
-            total += (size_t)rp[m].nk * 2 + 1 + (size_t)rp[m].in_nk;
-    ch = malloc(sizeof(*ch) * (total ? total : 1));
     if (!ch)
-        return hep_fail(HEP_ERR_NOMEM, "combine: out of memory");
+        return HEP_ERR_NOMEM;
     for (int m = 0; m < N; m++) {
         const ring_peer *d = &rp[m];
         if (m == g->node)
             continue;
         for (int k = 0; k < d->nk; k++) {
-            const size_t p = (size_t)(k % P), left = (size_t)(d->cnt - k * (int)C);
+            const size_t p = (size_t)(k % P), rows = chunk_rows(d->cnt, k, C);
             const uint64_t want = HEP_RING_VAL(e, k + 1);
             ch[n] = hep_wire_chunk(g, d->peer, HEP_BUF_C_RED_TOKEN, ((size_t)d->j * S + p * C) * rb2,
                                    HEP_BUF_C_GROUP_TOKEN, ((size_t)d->s * S + p * C) * rb2,
-                                   (left < C ? left : C) * rb2, words + src_word(g, m, (int)p));
+                                   rows * rb2, words + src_word(g, m, (int)p));
             ch[n++].want = want;
             ch[n++] = hep_wire_flag(g, d->peer, HEP_BUF_C_OUT_FLAGS, src_word(g, m, (int)p),
                                     HEP_BUF_C_GROUP_FLAGS, B + (size_t)d->s, want);
