@@ -58,6 +58,13 @@ static int cmp_d(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+// The median of n timings (sorts them).
+static double median(double *t, int n)
+{
+    qsort(t, (size_t)n, sizeof(double), cmp_d);
+    return t[n / 2];
+}
+
 extern "C" int ceil_sm_count(int device, char *why, size_t why_len)
 {
     int sms = -1;
@@ -93,8 +100,7 @@ static int time_op(int op, void *a, void *c, size_t bytes, unsigned *sink, int s
         if (k >= 0)
             t[k] = ms;
     }
-    qsort(t, 11, sizeof(double), cmp_d);
-    *ms_out = t[5];
+    *ms_out = median(t, 11);
     rc = 0;
 out:
     if (e0)
@@ -174,8 +180,7 @@ extern "C" int ceil_same_sm_copy(int device, int blocks, size_t rows, size_t row
         if (k >= 0)
             t[k] = ms;
     }
-    qsort(t, (size_t)iters, sizeof(double), cmp_d);
-    *ms_out = t[iters / 2];
+    *ms_out = median(t, iters);
     rc = 0;
 out:
     free(t);
@@ -242,8 +247,7 @@ extern "C" int ceil_stream_copies(int device, int streams, size_t bytes, int ite
         if (k >= 0)
             t[k] = ms;
     }
-    qsort(t, (size_t)iters, sizeof(double), cmp_d);
-    *gbs = 2.0 * (double)bytes * streams / (t[iters / 2] * 1e-3) / 1e9;
+    *gbs = 2.0 * (double)bytes * streams / (median(t, iters) * 1e-3) / 1e9;
     rc = 0;
 out:
     free(t);
