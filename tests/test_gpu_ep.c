@@ -408,51 +408,6 @@ static void gpu_virtual_nodes_match_host_backend_over_loopback_nic_with_dmabuf(v
     hep_env_reload();
 }
 
-/* More nodes than a warp has lanes (the kernels take nodes in words of 32): N x R virtual
- * ranks on the one GPU, one NIC and one proxy thread each over the loopback NIC, small
- * shapes (H 256, T 16), every output against the host backend and the oracle. 40 x 1 has
- * a partial second word, 34 x 2 node-mates beside it, 64 x 1 two full words, 128 x 1 the
- * limit (HEP_MAX_NODES_GPU, one SM a rank). Routing by node (own node, every node, any)
- * and uniform (a token's nodes spread over the words). */
-static void gpu_many_nodes_beyond_one_warp_match_host_backend(void **state)
-{
-    static const struct {
-        int N, R, skew, index64, tmode;
-        hep_dtype dt;
-    } cases[] = {
-        {40, 1, EP_ROUTE_NODES, 0, -1, HEP_DTYPE_BF16},
-        {34, 2, EP_ROUTE_NODES, 1, 1, HEP_DTYPE_BF16},
-        {64, 1, 0, 0, 1, HEP_DTYPE_FP8_E4M3},
-        {128, 1, 0, 1, -1, HEP_DTYPE_BF16},
-    };
-    unsigned seed = fresh_seed() ^ 0x2545f491u;
-    (void)state;
-    if (!have_gpu())
-        skip();
-    if (small_only()) {
-        print_message("skipped: %d to %d virtual ranks with their proxies are too slow under "
-                      "compute-sanitizer (HEP_GPU_TEST_SMALL=1)\n", 40, 128);
-        skip();
-    }
-    /* Every virtual rank here is a thread on GPU 0 with its own stream, and a GPU has 32
-     * hardware queues (CUDA_DEVICE_MAX_CONNECTIONS at most 32): past 32 co-dependent
-     * ranks two of them share a queue, the later one's kernel waits behind the earlier
-     * one's, which waits for it. So N > 32 virtual nodes cannot run on one GPU; these
-     * shapes need the ranks spread over several GPUs (or processes), which this harness
-     * does not do yet. The host backend runs the same shapes in CI (test_host_backend). */
-    print_message("skipped: %d to %d co-dependent virtual ranks on one GPU exceed its 32 "
-                  "hardware queues; the > 32-node kernels need ranks on several GPUs\n", 40,
-                  128);
-    skip();
-    print_message("fresh seed %u\n", seed);
-    assert_int_equal(HEP_MAX_NODES_GPU, 128);
-    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
-        assert_true(cases[k].N > 32 && cases[k].N * cases[k].R <= EP_MAX_RANKS);
-        gpu_case(cases[k].N, cases[k].R, cases[k].dt, cases[k].skew, cases[k].index64, 0,
-                 cases[k].tmode, seed + (unsigned)k, 256, 16);
-    }
-}
-
 static void gpu_graph_replay_gives_the_eager_results(void **state)
 {
     static ep_case c;
@@ -987,7 +942,6 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(gpu_kernels_match_host_backend_across_ranks_dtypes_and_routing),
         cmocka_unit_test(gpu_virtual_nodes_match_host_backend_over_loopback_nic_with_dmabuf),
-        cmocka_unit_test(gpu_many_nodes_beyond_one_warp_match_host_backend),
         cmocka_unit_test(gpu_graph_replay_gives_the_eager_results),
         cmocka_unit_test(gpu_dispatch_times_out_naming_the_rank_that_never_called),
         cmocka_unit_test(gpu_virtual_nodes_time_out_naming_the_missing_rank_on_every_rank),
