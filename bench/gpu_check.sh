@@ -17,8 +17,8 @@
 #     STRESS_SECONDS (150) a shape, with HEP_DEBUG_JITTER_US=STRESS_JITTER_US (20), then
 #     STRESS_SAN_CALLS (200) calls a shape under compute-sanitizer memcheck and racecheck
 #     (not part of `all`: name it); STRESS_PLAIN=0 leaves the plain run out
-#   train: the training API on the GPU: test_gpu_train, then hybridep bench --layout expert
-#     --pad-multiple 128 (TRAIN_DTYPES: bf16 fp8) (not part of `all`: name it)
+#   train: hybridep bench --layout expert --pad-multiple 128 (TRAIN_DTYPES: bf16 fp8; the
+#     training API's GPU tests run in `test`) (not part of `all`: name it)
 #   TEST_FILTER: a cmocka pattern (e.g. '*huge_timeout*') for the cases `test` runs
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -114,9 +114,6 @@ if want mpi; then
 fi
 if named train; then
   {
-    step "test_gpu_train (handles, caller outputs, expert-major, probabilities, capacity)"
-    timeout 180 $B/test_gpu_train
-    echo "test_gpu_train exit: $?"
     for dt in ${TRAIN_DTYPES:-bf16 fp8}; do
       step "hybridep bench --layout expert --pad-multiple 128 --dtype $dt ${BENCH_ARGS:-}"
       timeout 120 $B/hybridep bench --layout expert --pad-multiple 128 --dtype $dt ${BENCH_ARGS:-}
