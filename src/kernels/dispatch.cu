@@ -221,11 +221,12 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
         record_routing(a);
     scan_list(a, list_of(a, a.node), a.node, true, s, mine);
     if (EM)
-        em_sweep(a, s);
+        em_save_counts(a, s);
     grid_arrive(a.grid_arrive);
     if (!grid_wait(a, a.grid_arrive, e * (unsigned long long)S))
         return;
-    // 2. positions made rank-wide; block 0 lays out and releases the other blocks
+    // 2. positions made rank-wide; block 0 lays out and releases the other blocks (EM:
+    // which place each pair has among its block's, meanwhile)
     rebase_list(a, a.node, a.t, s);
     if (b == 0) {
         if (!layout_publish(a, e, s))
@@ -238,8 +239,13 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
             st_release_gpu(a.layout_ready, e);
         }
         layout_report(a, s, t_start, t_layout);
-    } else if (!grid_wait(a, a.layout_ready, e)) {
-        return;
+        if (EM)
+            em_places(a, s);
+    } else {
+        if (EM)
+            em_places(a, s);
+        if (!grid_wait(a, a.layout_ready, e))
+            return;
     }
 
     // 3. push the own tokens (while the other nodes' rows may still travel), then theirs;
@@ -275,8 +281,10 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
 
 extern "C" size_t hep_dispatch_smem(int R, int El)
 {
-    /* layout_smem: cnt [R][El], wcnt [32][R], run, pre, tot [R], recv [El + 1] */
-    return sizeof(int) * ((size_t)R * El + 32 * (size_t)R + 3 * (size_t)R + (size_t)El + 1);
+    /* layout_smem: cnt [R][El], wcnt [32][R], run, pre, tot [R], recv [El + 1], pkey, gkey
+     * and gcnt [threads] */
+    return sizeof(int) * ((size_t)R * El + 32 * (size_t)R + 3 * (size_t)R + (size_t)El + 1 +
+                          3 * (size_t)DISPATCH_THREADS);
 }
 
 extern "C" int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream)

@@ -8,10 +8,11 @@
 // on (d, e) is EB_d[e] + (rows of sources before s on (d, e)) + (tokens of s before i on
 // (d, e)). The last term is a second per-(d, e) prefix over the tokens, in token order:
 //  1. before the grid barrier each block saves its per-(d, e) counts (the scan's s.cnt) to
-//     ebc[b] and one warp walks the block's (token, slot) pairs in order, 32 at a time,
-//     giving each pair that is a token's first slot on (d, e) its place among the block's
-//     tokens on (d, e) (__match_any_sync: lanes of one (d, e) in one step are ranked by
-//     lane, the step's count goes to the running count in shared memory): epos;
+//     ebc[b]; then, while block 0 lays out (block 0 itself after the release), each block
+//     gives each of its (token, slot) pairs that is a token's first slot on (d, e) its
+//     place among the block's tokens on (d, e), in tiles of one pair a thread (warps group
+//     their lanes by (d, e) with __match_any_sync; one warp turns the groups' sizes into
+//     bases, warp by warp, in shared memory): epos;
 //  2. block 0, after the counts of every node-mate are in (layout_publish), derives
 //     ebase[d][e] = EB_d[e] + rows of the node-mates before this rank, and for its own
 //     experts the padded sizes clipped to the budget, the rows written, the overflow flag
@@ -35,46 +36,77 @@ __device__ __forceinline__ void em_publish_outputs(const hep_kargs &a)
     f[HEP_FLAG_EM_SCALES] = (unsigned long long)(uintptr_t)a.em_scales;
 }
 
-// 1. After scan_list of the own tokens: the block's counts to ebc[b], then its pairs'
-// places among its tokens on each (d, e) into epos (-1: not a first slot on this node).
-static __device__ void em_sweep(const hep_kargs &a, const layout_smem &s)
+// 1a. After scan_list of the own tokens, before the grid barrier: the block's counts to
+// ebc[b] (em_finalize of the later blocks adds them up after the layout is released).
+__device__ __forceinline__ void em_save_counts(const hep_kargs &a, const layout_smem &s)
 {
-    const int RE = a.R * a.El, tid = threadIdx.x, lane = tid & 31, b = blockIdx.x;
-    const int K = a.K;
+    const int RE = a.R * a.El;
+    for (int j = threadIdx.x; j < RE; j += blockDim.x)
+        a.ebc[(size_t)blockIdx.x * RE + j] = s.cnt[j];
+}
+
+// 1b. The block's pairs' places among its tokens on each (d, e) into epos (-1: not a
+// token's first slot on this node). Off the layout's critical path: the other blocks run
+// it while block 0 lays out, block 0 after it released the layout; only this block reads
+// its epos. The pairs go in tiles of whole tokens, one pair a thread, in (token, slot)
+// order: every thread loads its pair's id (one coalesced load) and finds its key (d, e),
+// a repeat of an earlier slot of its token dropping out through shared memory; each warp
+// groups its lanes by key (__match_any_sync: a lane's place in its group is its rank
+// among the group's lanes) and lists its groups (key, size); one warp then walks the
+// tile's warps in order, 32 groups at a time (a warp's groups have distinct keys), turning
+// each group's size into its base from the running counts s.cnt, in shared memory only.
+static __device__ void em_places(const hep_kargs &a, const layout_smem &s)
+{
+    const int RE = a.R * a.El, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int K = a.K, nw = blockDim.x >> 5, P = (int)(blockDim.x / K) * K;
     const long long first = (long long)a.rank0 * a.El;
+    const unsigned lt = (1u << lane) - 1u;
     int t0, t1;
-    block_range(a.t, b, gridDim.x, t0, t1);
-    for (int j = tid; j < RE; j += blockDim.x) {
-        a.ebc[(size_t)b * RE + j] = s.cnt[j];
+    block_range(a.t, blockIdx.x, gridDim.x, t0, t1);
+    for (int j = tid; j < RE; j += blockDim.x)
         s.cnt[j] = 0;
-    }
-    __syncthreads();
-    if (tid < 32) {
-        const int n = (t1 - t0) * K;
-        const unsigned lt = (1u << lane) - 1u;
-        for (int q0 = 0; q0 < n; q0 += 32) {
-            const int el = q0 + lane, i = t0 + el / K, k = el % K;
-            int key = -1;
-            if (el < n) {
-                const long long x = topk_at(a, i, k);
-                if (x >= first && x < first + RE) {
-                    bool dup = false;
-                    for (int q = 0; q < k; q++)
-                        dup |= topk_at(a, i, q) == x;
-                    key = dup ? -1 : (int)(x - first);
-                }
-            }
-            const unsigned peers = __match_any_sync(FULL, key);
-            const int base = key >= 0 ? s.cnt[key] : 0;
-            __syncwarp();
-            if (key >= 0 && 31 - __clz(peers) == lane) /* the group's last lane */
-                s.cnt[key] = base + __popc(peers);
-            __syncwarp();
-            if (el < n)
-                a.epos[(size_t)i * K + k] = key >= 0 ? base + __popc(peers & lt) : -1;
+    const int n = (t1 - t0) * K;
+    for (int q0 = 0; q0 < n; q0 += P) { /* q0 and P are multiples of K: whole tokens */
+        const int el = q0 + tid, i = t0 + el / K, k = el % K;
+        const bool mine = tid < P && el < n;
+        int key = -1;
+        if (mine) {
+            const long long x = topk_at(a, i, k);
+            key = x >= first && x < first + RE ? (int)(x - first) : -1;
         }
+        s.pkey[tid] = key;
+        __syncthreads(); /* also orders the zeroed s.cnt, and the last tile's reads */
+        for (int q = 1; q <= k && key >= 0; q++) /* slot k - q of the same token */
+            if (s.pkey[tid - q] == key)
+                key = -1;
+        const unsigned peers = __match_any_sync(FULL, key);
+        const int leader = __ffs(peers) - 1;
+        const unsigned leaders = __ballot_sync(FULL, key >= 0 && leader == lane);
+        const int g = __popc(leaders & ((1u << leader) - 1u)); /* the group's index */
+        if (key >= 0 && leader == lane) {
+            s.gkey[warp * 32 + g] = key;
+            s.gcnt[warp * 32 + g] = __popc(peers);
+        }
+        if (lane == 0 && __popc(leaders) < 32)
+            s.gkey[warp * 32 + __popc(leaders)] = -1; /* the end of the warp's groups */
+        __syncthreads();
+        if (warp == 0) {
+            for (int w = 0; w < nw; w++) {
+                const int gk = s.gkey[w * 32 + lane];
+                const unsigned endm = __ballot_sync(FULL, gk < 0); /* the first -1 ends it */
+                if (lane < (endm ? __ffs(endm) - 1 : 32)) {
+                    const int base = s.cnt[gk];
+                    s.cnt[gk] = base + s.gcnt[w * 32 + lane];
+                    s.gcnt[w * 32 + lane] = base;
+                }
+                __syncwarp();
+            }
+        }
+        __syncthreads();
+        if (mine)
+            a.epos[(size_t)i * K + k] = key >= 0 ? s.gcnt[warp * 32 + g] + __popc(peers & lt) : -1;
+        __syncthreads(); /* the next tile lists its groups over these */
     }
-    __syncthreads();
 }
 
 // 2. Block 0, after layout_publish of call e: ebase, and this rank's own block sizes.

@@ -19,6 +19,9 @@ struct layout_smem {
     int *pre;  // [R] rows of the earlier blocks at each destination
     int *tot;  // [R] rows of all blocks (block 0)
     int *recv; // [El + 1] what this rank receives (block 0)
+    int *pkey; // [threads] expert-major places (em_places): each pair's (d, e) of a tile
+    int *gkey; // [warps][32] each warp's (d, e) groups of the tile ...
+    int *gcnt; // [warps][32] ... their sizes, then their bases
 };
 
 __device__ __forceinline__ layout_smem layout_smem_at(int *sm, int R, int El)
@@ -30,6 +33,9 @@ __device__ __forceinline__ layout_smem layout_smem_at(int *sm, int R, int El)
     s.pre = s.run + R;
     s.tot = s.pre + R;
     s.recv = s.tot + R;
+    s.pkey = s.recv + El + 1;
+    s.gkey = s.pkey + blockDim.x;
+    s.gcnt = s.gkey + blockDim.x;
     return s;
 }
 
