@@ -19,6 +19,8 @@
 #     (not part of `all`: name it); STRESS_PLAIN=0 leaves the plain run out
 #   train: hybridep bench --layout expert --pad-multiple 128 (TRAIN_DTYPES: bf16 fp8; the
 #     training API's GPU tests run in `test`) (not part of `all`: name it)
+#   nodesms: the 2 x 4 and 4 x 2 benches (BF16) at NODE_SMS (8 12 16) SMs per rank: how the
+#     loopback NIC's copies fare with more SMs left free (not part of `all`: name it)
 #   TEST_FILTER: a cmocka pattern (e.g. '*huge_timeout*') for the cases `test` runs
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -104,6 +106,19 @@ if want nodes; then
       done
     done
   } 2>&1 | tee "$OUT/bench_nodes.txt" | grep -vE '^\[bench\]'
+fi
+if named nodesms; then
+  {
+    for shape in "2 4" "4 2"; do
+      set -- $shape
+      for sms in ${NODE_SMS:-8 12 16}; do
+        step "hybridep bench --nodes $1 --ranks-per-node $2 --sms $sms ${BENCH_ARGS:-}"
+        HEP_GPU_MR_MODE=dmabuf HEP_LOG_LEVEL=warn $B/hybridep bench --nodes "$1" \
+          --ranks-per-node "$2" --sms "$sms" ${BENCH_ARGS:-}
+      done
+    done
+  } > "$OUT/bench_nodesms.txt" 2>&1
+  grep -E '^===|^(dispatch|combine) |verified|loopback copies|rror|timed out' "$OUT/bench_nodesms.txt"
 fi
 if want mpi; then
   step "mpirun -np 8: the GPU backend, one process per rank (CUDA IPC), with and without MPS"

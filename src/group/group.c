@@ -367,6 +367,29 @@ static int all_on_one_host(const rank_card *cards, int world)
     return 1;
 }
 
+/* The loopback NIC copies device memory with cudaMemcpyAsync, which runs on the SMs that
+ * the kernels leave free: measured on an H200 (bench/RESULTS.md), 8 virtual ranks' kernels
+ * at 16 SMs each (4 of 132 SMs free) make every network write 4.5-5x slower than at 12 SMs
+ * (36 free), and the 2 x 4 phases 2x slower. A real NIC needs no SM. Said once, by rank 0. */
+#define HEP_LOOPBACK_FREE_SMS 32
+static void warn_loopback_sms(const hep_group *g, const rank_card *cards)
+{
+    int on_gpu = 0, sms = cards[0].sms;
+    const int per = g->cfg.dispatch_sms > g->cfg.combine_sms ? g->cfg.dispatch_sms
+                                                             : g->cfg.combine_sms;
+    for (int r = 0; r < g->world; r++)
+        on_gpu += cards[r].device == cards[0].device && cards[r].pid == cards[0].pid &&
+                  strcmp(cards[r].host, cards[0].host) == 0;
+    if (sms > 0 && (long)on_gpu * per > sms - HEP_LOOPBACK_FREE_SMS)
+        hep_log(HEP_LOG_WARN,
+                "loopback NIC: %d ranks on GPU %d x %d SMs leave %d of its %d SMs free; its "
+                "copies (cudaMemcpyAsync) run on free SMs and slow down below %d free: "
+                "dispatch_sms/combine_sms <= %d leave enough",
+                on_gpu, cards[0].device, per, sms - on_gpu * per > 0 ? sms - on_gpu * per : 0,
+                sms, HEP_LOOPBACK_FREE_SMS,
+                (sms - HEP_LOOPBACK_FREE_SMS) / on_gpu > 0 ? (sms - HEP_LOOPBACK_FREE_SMS) / on_gpu : 1);
+}
+
 static int setup_internode(hep_group *g, const rank_card *cards, const hep_group_hooks *hooks,
                            int *dmabuf)
 {
@@ -385,6 +408,8 @@ static int setup_internode(hep_group *g, const rank_card *cards, const hep_group
                         "ranks of one process only%s (run virtual nodes in one process, or one "
                         "node per host with an RDMA device)",
                         g->N, o.loopback ? "" : ", and this host has no RDMA device");
+    if (o.loopback && g->cfg.backend == HEP_BACKEND_GPU && g->rank == 0)
+        warn_loopback_sms(g, cards);
     rc = hep_coord_create(&g->plan, g->arena[HEP_ARENA_LOCAL], &g->bs, g->device, &o, &g->coord);
     if (rc == HEP_OK)
         *dmabuf = g->coord->dmabuf;
