@@ -62,6 +62,7 @@ suite() { # label, allow
     run "$l: moe_layer.py x$np" 300 "$allow" "${trun[@]}" examples/moe_layer.py --backend gpu --sms 4
     if [ "$l" = mps ]; then
         run "$l: gpu_bench.py x$np" 300 pass "${trun[@]}" python/tests/gpu_bench.py
+        run "$l: gpu_bench.py x$np (side stream)" 300 pass "${trun[@]}" python/tests/gpu_bench.py --side-stream
         run "$l: overhead.py x$np (no_sync)" 200 pass "${trun[@]}" python/tests/overhead.py --backend gpu
     fi
     [ "${PY_MPS_ONLY:-0}" = 1 ] && return 0
@@ -93,15 +94,18 @@ if [ "${PY_MPS_ONLY:-0}" != 1 ]; then
 fi
 # the bench through the package against the C bench
 msv() { grep -m1 -E "^$2" "$1" 2>/dev/null | awk '{for(i=1;i<=NF;i++) if($i=="ms"){print $(i-1); exit}}'; }
-pb=$(grep -h '^PYBENCH' "$OUT"/py_mps__gpu_bench.py_x*.txt 2>/dev/null | tail -1)
+for variant in "" "_side_stream__"; do
+pb=$(grep -h '^PYBENCH' "$OUT"/py_mps__gpu_bench.py_x${np}_${variant}.txt 2>/dev/null | tail -1)
+label="bench"; [ -n "$variant" ] && label="bench (side stream)"
 for ph in dispatch combine; do
     p=$(sed -n "s/.*${ph}_ms=\([0-9.]*\).*/\1/p" <<<"$pb")
     c=$(msv "$OUT/py_c_bench.txt" "$ph")
     if [ -n "$p" ] && [ -n "$c" ]; then
-        row "bench $ph: package vs C bench" "$p ms vs $c ms: ratio $(awk -v a="$p" -v b="$c" 'BEGIN{printf "%.3f (target <= 1.10)", a/b}')"
+        row "$label $ph: package vs C bench" "$p ms vs $c ms: ratio $(awk -v a="$p" -v b="$c" 'BEGIN{printf "%.3f (target <= 1.10)", a/b}')"
     else
-        row "bench $ph: package vs C bench" "not measured (see $OUT/py_c_bench.txt and the gpu_bench log)"
+        row "$label $ph: package vs C bench" "not measured (see $OUT/py_c_bench.txt and the gpu_bench log)"
     fi
+done
 done
 ov=$(grep -h '^OVERHEAD' "$OUT"/py_mps__overhead.py*.txt 2>/dev/null | tail -1)
 row "per-call Python overhead (GPU, no_sync)" "${ov:-not measured} (target <= 15 us)"
