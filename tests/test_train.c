@@ -16,7 +16,9 @@
 #include "fake_mr.h"
 #include "ranks.h"
 
-#define NW 4  /* ranks */
+#define NW 4  /* ranks of the one-node cases */
+#define MAXW 8 /* ranks of the largest case (2 x 4, 4 x 2) */
+#define TH 128 /* hidden of the FP8 cases (one scale per row) */
 #define NT 40 /* max tokens */
 #define NK 4  /* slots */
 #define EL 3  /* experts per rank */
@@ -26,13 +28,16 @@
 
 typedef struct tcase {
     hep_config cfg;
-    int pad, budget;
-    int t[2][NW];                   /* routing set: tokens per rank */
-    int ids[2][NW][NT * NK];        /* routing sets A (0) and B (1) */
-    float w[2][NW][NT * NK];
-    _Alignas(16) uint16_t tok[2][NW][NT * NH]; /* token sets: first dispatch (0), the reuse (1) */
-    int bad[NW];
-    char msg[NW][256];
+    int W, H, fp8, pad, budget;     /* ranks, hidden, FP8 tokens (H = TH), ... */
+    size_t rb;                      /* bytes of a token row */
+    int t[2][MAXW];                 /* routing set: tokens per rank */
+    int ids[2][MAXW][NT * NK];      /* routing sets A (0) and B (1) */
+    float w[2][MAXW][NT * NK];
+    _Alignas(16) unsigned char tok[2][MAXW][NT * TH]; /* token sets: first dispatch (0), the
+                                                         reuse (1); BF16 rows of NH or FP8 of TH */
+    float sc[2][MAXW][NT];          /* FP8: each row's one scale */
+    int bad[MAXW];
+    char msg[MAXW][256];
 } tcase;
 
 static unsigned lcg(unsigned *s)
@@ -42,32 +47,54 @@ static unsigned lcg(unsigned *s)
 }
 
 /* Routing set a: random slots, some -1, some repeated; rank 0's token 0 chooses every
- * expert of rank 1; nobody chooses EMPTY_EXPERT. */
-static void make_case(tcase *c, int ranks_per_node, int pad, int budget, unsigned seed)
+ * expert of rank 1; nobody chooses EMPTY_EXPERT. W ranks, ranks_per_node of them a node
+ * (0: one node); chunk: config.chunk_tokens (the inter-node rings). */
+static void make_case_of(tcase *c, int W, int ranks_per_node, int chunk, int fp8, int pad,
+                         int budget, unsigned seed)
 {
     memset(c, 0, sizeof(*c));
-    c->cfg = test_config(NH, NT, EL, NK, HEP_DTYPE_BF16);
+    c->W = W;
+    c->fp8 = fp8;
+    c->H = fp8 ? TH : NH;
+    c->rb = (size_t)c->H * (fp8 ? 1 : 2);
+    c->cfg = test_config(c->H, NT, EL, NK, fp8 ? HEP_DTYPE_FP8_E4M3 : HEP_DTYPE_BF16);
     c->cfg.backend = HEP_BACKEND_HOST;
     c->cfg.ranks_per_node = ranks_per_node;
+    if (chunk)
+        c->cfg.chunk_tokens = chunk;
     c->pad = pad;
     c->budget = budget;
     for (int a = 0; a < 2; a++)
-        for (int r = 0; r < NW; r++) {
+        for (int r = 0; r < W; r++) {
             c->t[a][r] = a == 0 ? NT - 3 * r : 5 + (int)(lcg(&seed) % (NT - 5));
             for (int i = 0; i < NT; i++)
                 for (int k = 0; k < NK; k++) {
                     unsigned u = lcg(&seed);
-                    int x = u % 7 == 0 ? -1 : (int)(u % (NW * EL));
+                    int x = u % 7 == 0 ? -1 : (int)(u % (unsigned)(W * EL));
                     if (k > 0 && u % 5 == 0)
                         x = c->ids[a][r][i * NK + k - 1]; /* a repeated expert */
                     c->ids[a][r][i * NK + k] = x == EMPTY_EXPERT ? -1 : x;
                     c->w[a][r][i * NK + k] = (float)(1 + lcg(&seed) % 64) / 64.0f;
                 }
-            for (int i = 0; i < NT * NH; i++)
-                c->tok[a][r][i] = bf16_of((float)(lcg(&seed) % 200));
+            for (int i = 0; i < NT * c->H; i++) {
+                uint16_t v = bf16_of((float)(lcg(&seed) % 200));
+                if (fp8) /* bytes that are never decoded: any value will do */
+                    c->tok[a][r][i] = (unsigned char)(lcg(&seed) & 0xff);
+                else
+                    memcpy(&c->tok[a][r][2 * (size_t)i], &v, 2);
+            }
+            for (int i = 0; i < NT; i++)
+                c->sc[a][r][i] = (float)(1 + lcg(&seed) % 1000) / 8.0f;
         }
     for (int k = 0; k < NK; k++) /* rank 0, token 0: every local expert of rank 1 */
         c->ids[0][0][k] = k < EL ? EL + k : -1;
+    for (int k = 0; ranks_per_node && k < NK; k++) /* token 1: those of the last node's last */
+        c->ids[0][0][NK + k] = k < EL ? (W - 1) * EL + k : -1;
+}
+
+static void make_case(tcase *c, int ranks_per_node, int pad, int budget, unsigned seed)
+{
+    make_case_of(c, NW, ranks_per_node, 0, 0, pad, budget, seed);
 }
 
 static int chooses(const tcase *c, int a, int s, int i, int x)
@@ -96,7 +123,7 @@ static int needs(const tcase *c, int a, int s, int i, int d)
 /* Oracle of rank d's expert-major layout of routing a: pos[s][i][e] (-1: not chosen), the
  * padded block starts, the padded total and the token rows at or past the budget. */
 typedef struct em_layout {
-    int pos[NW][NT][EL], cnt[EL], start[EL], total, dropped;
+    int pos[MAXW][NT][EL], cnt[EL], start[EL], total, dropped;
 } em_layout;
 
 static void em_oracle(const tcase *c, int a, int d, em_layout *L)
@@ -105,7 +132,7 @@ static void em_oracle(const tcase *c, int a, int d, em_layout *L)
     memset(L->pos, 0xff, sizeof(L->pos));
     for (int e = 0; e < EL; e++) {
         L->start[e] = L->total;
-        for (int s = 0; s < NW; s++)
+        for (int s = 0; s < c->W; s++)
             for (int i = 0; i < c->t[a][s]; i++)
                 if (chooses(c, a, s, i, d * EL + e)) {
                     L->pos[s][i][e] = L->total + L->cnt[e]++;
@@ -118,7 +145,7 @@ static void em_oracle(const tcase *c, int a, int d, em_layout *L)
 static int rm_row(const tcase *c, int a, int d, int s, int i)
 {
     int j = 0;
-    for (int s2 = 0; s2 < NW; s2++)
+    for (int s2 = 0; s2 < c->W; s2++)
         for (int i2 = 0; i2 < c->t[a][s2]; i2++) {
             if (s2 == s && i2 == i)
                 return needs(c, a, s, i, d) ? j : -1;
@@ -143,8 +170,8 @@ static float prob_val(int d, int p)
             snprintf((c)->msg[r], sizeof((c)->msg[r]), __VA_ARGS__);                             \
     } while (0)
 
-static void check_em(tcase *c, int r, int a, int q, const uint16_t *tok, const float *prob,
-                     const hep_dispatch_opts *x)
+static void check_em(tcase *c, int r, int a, int q, const unsigned char *tok, const float *prob,
+                     const float *scale, const hep_dispatch_opts *x)
 {
     em_layout L;
     em_oracle(c, a, r, &L);
@@ -159,32 +186,39 @@ static void check_em(tcase *c, int r, int a, int q, const uint16_t *tok, const f
         if (!x->tokens_per_expert || x->tokens_per_expert[e] != clip)
             BAD(c, r, "rank %d: tokens_per_expert[%d] wrong (oracle %d)", r, e, clip);
         for (int p = L.start[e] + L.cnt[e]; p < end && p < c->budget; p++)
-            for (int h = 0; h < NH; h++)
-                if (tok[(size_t)p * NH + h] != 0 || prob[p] != 0)
+            for (size_t h = 0; h < c->rb; h++)
+                if (tok[(size_t)p * c->rb + h] != 0 || prob[p] != 0 || (c->fp8 && scale[p] != 0))
                     BAD(c, r, "rank %d: padding row %d of expert %d not zero", r, p, e);
     }
-    for (int s = 0; s < NW; s++)
+    for (int s = 0; s < c->W; s++)
         for (int i = 0; i < c->t[a][s]; i++)
             for (int e = 0; e < EL; e++) {
                 int p = L.pos[s][i][e];
                 if (p < 0 || p >= c->budget)
                     continue;
-                if (memcmp(tok + (size_t)p * NH, &c->tok[q][s][i * NH], NH * 2))
+                if (memcmp(tok + (size_t)p * c->rb, &c->tok[q][s][(size_t)i * c->rb], c->rb))
                     BAD(c, r, "rank %d: row %d (rank %d token %d expert %d) wrong", r, p, s, i, e);
+                if (c->fp8 && scale[p] != c->sc[q][s][i])
+                    BAD(c, r, "rank %d: scale of row %d is %g, oracle %g", r, p, scale[p],
+                        c->sc[q][s][i]);
                 if (prob[p] != weight(c, a, s, i, r * EL + e))
                     BAD(c, r, "rank %d: prob of row %d is %g", r, p, prob[p]);
             }
 }
 
-static void check_rm(tcase *c, int r, int a, const uint16_t *tok, const float *prob, int rows)
+static void check_rm(tcase *c, int r, int a, const void *tokv, const float *prob,
+                     const float *scale, int rows)
 {
+    const unsigned char *tok = tokv;
     int j = 0;
-    for (int s = 0; s < NW; s++)
+    for (int s = 0; s < c->W; s++)
         for (int i = 0; i < c->t[a][s]; i++) {
             if (!needs(c, a, s, i, r))
                 continue;
-            if (memcmp(tok + (size_t)j * NH, &c->tok[0][s][i * NH], NH * 2))
+            if (memcmp(tok + (size_t)j * c->rb, &c->tok[0][s][(size_t)i * c->rb], c->rb))
                 BAD(c, r, "rank %d: rank-major row %d wrong", r, j);
+            if (c->fp8 && (!scale || scale[j] != c->sc[0][s][i]))
+                BAD(c, r, "rank %d: rank-major scale %d wrong", r, j);
             for (int e = 0; e < EL; e++)
                 if (prob[j * EL + e] != weight(c, a, s, i, r * EL + e))
                     BAD(c, r, "rank %d: rank-major prob [%d][%d] wrong", r, j, e);
@@ -199,10 +233,11 @@ static void check_rm(tcase *c, int r, int a, const uint16_t *tok, const float *p
 static void check_combine(tcase *c, int s, int a, int em, const uint16_t *out, const float *pout)
 {
     for (int i = 0; i < c->t[a][s]; i++) {
-        float acc[NH];
-        for (int h = 0; h < NH; h++)
+        float acc[TH];
+        const size_t E = (size_t)c->W * EL;
+        for (int h = 0; h < c->H; h++)
             acc[h] = -0.0f; /* a token with no rows comes back as -0.0 (hybridep.h) */
-        for (int d = 0; d < NW; d++) {
+        for (int d = 0; d < c->W; d++) {
             em_layout L;
             int j = rm_row(c, a, d, s, i);
             if (em)
@@ -213,22 +248,22 @@ static void check_combine(tcase *c, int s, int a, int em, const uint16_t *out, c
                 if (chooses(c, a, s, i, x)) {
                     int p = em ? L.pos[s][i][e] : j;
                     if (!em || p < c->budget) {
-                        for (int h = 0; em && h < NH; h++)
+                        for (int h = 0; em && h < c->H; h++)
                             acc[h] += f32_of_bf16(out_val(d, p));
                         want = em ? prob_val(d, p) : prob_val(d, j * EL + e);
                     }
                 }
-                if (pout && pout[(size_t)i * NW * EL + x] != want)
-                    BAD(c, s, "rank %d: probs_out[%d][%d] = %g, oracle %g", s, i, x,
-                        pout[(size_t)i * NW * EL + x], want);
+                if (pout && memcmp(&pout[(size_t)i * E + (size_t)x], &want, sizeof(want)))
+                    BAD(c, s, "rank %d: probs_out[%d][%d] = %g, oracle %g (bits differ)", s, i,
+                        x, pout[(size_t)i * E + (size_t)x], want);
             }
-            for (int h = 0; !em && j >= 0 && h < NH; h++)
+            for (int h = 0; !em && j >= 0 && h < c->H; h++)
                 acc[h] += f32_of_bf16(out_val(d, j));
         }
-        for (int h = 0; h < NH; h++)
-            if (out[(size_t)i * NH + h] != bf16_of(acc[h]))
+        for (int h = 0; h < c->H; h++)
+            if (out[(size_t)i * c->H + h] != bf16_of(acc[h]))
                 BAD(c, s, "rank %d: combined token %d channel %d = %g, oracle %g", s, i, h,
-                    f32_of_bf16(out[(size_t)i * NH + h]), acc[h]);
+                    f32_of_bf16(out[(size_t)i * c->H + h]), acc[h]);
     }
 }
 
@@ -237,6 +272,7 @@ static void dispatch_args(tcase *c, int r, int a, int q, hep_dispatch_args *da)
     memset(da, 0, sizeof(*da));
     da->num_tokens = c->t[a][r];
     da->tokens = c->tok[q][r];
+    da->scales = c->fp8 ? c->sc[q][r] : NULL;
     da->topk_idx = c->ids[a][r];
     da->index_type = HEP_INDEX_INT32;
     da->topk = NK;
@@ -249,18 +285,19 @@ static void combine_and_check(tcase *c, hep_group *g, int r, int a, int em, hep_
 {
     hep_combine_args ca;
     hep_combine_opts co;
-    uint16_t *eo = malloc(sizeof(uint16_t) * (size_t)(rows + 1) * NH);
-    uint16_t *out = malloc(sizeof(uint16_t) * NT * NH);
+    const size_t H = (size_t)c->H, E = (size_t)c->W * EL;
+    uint16_t *eo = malloc(sizeof(uint16_t) * (size_t)(rows + 1) * H);
+    uint16_t *out = malloc(sizeof(uint16_t) * NT * H);
     float *pin = malloc(sizeof(float) * (size_t)(rows + 1) * EL);
-    float *pout = malloc(sizeof(float) * NT * NW * EL);
+    float *pout = malloc(sizeof(float) * NT * E);
     int rc;
     for (int p = 0; p < rows; p++)
-        for (int h2 = 0; h2 < NH; h2++)
-            eo[(size_t)p * NH + h2] = out_val(r, p);
+        for (size_t h2 = 0; h2 < H; h2++)
+            eo[(size_t)p * H + h2] = out_val(r, p);
     for (int p = 0; p < rows * (em ? 1 : EL); p++)
         pin[p] = prob_val(r, p);
-    memset(out, 0xff, sizeof(uint16_t) * NT * NH);
-    memset(pout, 0xff, sizeof(float) * NT * NW * EL);
+    memset(out, 0xff, sizeof(uint16_t) * NT * H);
+    memset(pout, 0xff, sizeof(float) * NT * E);
     memset(&ca, 0, sizeof(ca));
     memset(&co, 0, sizeof(co));
     ca.expert_out = eo;
@@ -282,15 +319,16 @@ static void combine_and_check(tcase *c, hep_group *g, int r, int a, int em, hep_
 static int interleaved(rank_ctx *rx)
 {
     tcase *c = rx->arg;
-    const int r = rx->rank, probs = c->cfg.ranks_per_node == 0 || c->cfg.ranks_per_node == NW;
-    const size_t B = (size_t)c->budget, M = (size_t)NW * NT;
+    const int r = rx->rank, probs = 1;
+    const size_t B = (size_t)c->budget, M = (size_t)c->W * NT, H = (size_t)c->H, rb = c->rb;
+    const size_t sb = c->fp8 ? sizeof(float) : 0; /* scale bytes of a row */
     hep_group *g = NULL;
     hep_handle *ha = NULL, *hb = NULL;
     hep_dispatch_args da;
     hep_dispatch_opts xa, xb;
     hep_dispatch_result dr;
-    uint16_t *ta = malloc(B * NH * 2), *tb = malloc(M * NH * 2);
-    float *pa = malloc(B * 4), *pb = malloc(M * EL * 4);
+    unsigned char *ta = malloc(B * rb), *tb = malloc(M * rb);
+    float *pa = malloc(B * 4), *pb = malloc(M * EL * 4), *sa = malloc(B * 4), *sbuf = malloc(M * 4);
     int rc = hep_group_create(&c->cfg, &rx->bs, 0, &g), rows_b = 0, em_rows = 0;
     if (rc == 0)
         rc = hep_handle_create(g, &ha);
@@ -300,7 +338,8 @@ static int interleaved(rank_ctx *rx)
         BAD(c, r, "rank %d: create: %s", r, hep_last_error());
         goto out;
     }
-    memset(ta, 0xff, B * NH * 2), memset(pa, 0xff, B * 4); /* poison: padding must be written */
+    memset(ta, 0xff, B * rb), memset(pa, 0xff, B * 4); /* poison: padding must be written */
+    memset(sa, 0xff, B * 4);
     dispatch_args(c, r, 0, 0, &da);
     memset(&xa, 0, sizeof(xa));
     xa.handle = ha;
@@ -309,15 +348,16 @@ static int interleaved(rank_ctx *rx)
     xa.num_permuted_tokens = c->budget;
     xa.recv_tokens = ta;
     xa.recv_probs = pa;
+    xa.recv_scales = c->fp8 ? sa : NULL;
     if ((rc = hep_dispatch_ex(g, &da, &xa, &dr))) {
         BAD(c, r, "rank %d: dispatch A: %s", r, hep_last_error());
         goto out;
     }
-    check_em(c, r, 0, 0, ta, pa, &xa);
+    check_em(c, r, 0, 0, ta, pa, sa, &xa);
     if (dr.handle != 0)
         BAD(c, r, "rank %d: a dispatch into a handle returned one-shot handle %llu", r,
             (unsigned long long)dr.handle);
-    if (xa.copy_bytes != (size_t)xa.num_permuted * (NH * 2 + 4))
+    if (xa.copy_bytes != (size_t)xa.num_permuted * (rb + 4 + sb))
         BAD(c, r, "rank %d: copy_bytes %zu for %d rows", r, xa.copy_bytes, xa.num_permuted);
     em_rows = xa.num_permuted;
     dispatch_args(c, r, 1, 0, &da);
@@ -325,13 +365,14 @@ static int interleaved(rank_ctx *rx)
     xb.handle = hb;
     xb.recv_tokens = tb;
     xb.recv_probs = pb;
+    xb.recv_scales = c->fp8 ? sbuf : NULL;
     if ((rc = hep_dispatch_ex(g, &da, &xb, &dr))) {
         BAD(c, r, "rank %d: dispatch B: %s", r, hep_last_error());
         goto out;
     }
     rows_b = dr.num_recv;
-    check_rm(c, r, 1, tb, pb, rows_b);
-    if (dr.tokens != tb || xb.copy_bytes != (size_t)rows_b * (NH * 2 + EL * 4))
+    check_rm(c, r, 1, tb, pb, sbuf, rows_b);
+    if (dr.tokens != tb || xb.copy_bytes != (size_t)rows_b * (rb + EL * 4 + sb))
         BAD(c, r, "rank %d: the rank-major copy: tokens %p (caller %p), %zu bytes", r, dr.tokens,
             (void *)tb, xb.copy_bytes);
     combine_and_check(c, g, r, 1, 0, hb, rows_b, probs);
@@ -342,12 +383,12 @@ static int interleaved(rank_ctx *rx)
     da.topk_weights = NULL;
     da.topk = 0;
     da.flags = HEP_REUSE_LAYOUT;
-    memset(ta, 0xff, B * NH * 2), memset(pa, 0xff, B * 4);
+    memset(ta, 0xff, B * rb), memset(pa, 0xff, B * 4), memset(sa, 0xff, B * 4);
     if ((rc = hep_dispatch_ex(g, &da, &xa, &dr))) {
         BAD(c, r, "rank %d: dispatch reusing A: %s", r, hep_last_error());
         goto out;
     }
-    check_em(c, r, 0, 1, ta, pa, &xa);
+    check_em(c, r, 0, 1, ta, pa, sa, &xa);
     if (xa.num_permuted != em_rows)
         BAD(c, r, "rank %d: the reuse laid out %d rows, A %d", r, xa.num_permuted, em_rows);
     combine_and_check(c, g, r, 0, 1, ha, c->budget, probs);
@@ -355,16 +396,16 @@ static int interleaved(rank_ctx *rx)
     combine_and_check(c, g, r, 1, 0, hb, rows_b, 0); /* B still combines after all that */
     {   /* the one-shot flow, unchanged */
         hep_combine_args ca;
-        uint16_t *eo = malloc(M * NH * 2), *out2 = malloc(NT * NH * 2);
+        uint16_t *eo = malloc(M * H * 2), *out2 = malloc(NT * H * 2);
         dispatch_args(c, r, 1, 0, &da);
         rc = hep_dispatch(g, &da, &dr);
         if (rc || dr.handle == 0) {
             BAD(c, r, "rank %d: one-shot dispatch: %s", r, hep_last_error());
         } else {
-            check_rm(c, r, 1, dr.tokens, dr.probs, dr.num_recv);
+            check_rm(c, r, 1, dr.tokens, dr.probs, dr.scales, dr.num_recv);
             for (int p = 0; p < dr.num_recv; p++)
-                for (int h = 0; h < NH; h++)
-                    eo[(size_t)p * NH + h] = out_val(r, p);
+                for (size_t h = 0; h < H; h++)
+                    eo[(size_t)p * H + h] = out_val(r, p);
             memset(&ca, 0, sizeof(ca));
             ca.handle = dr.handle;
             ca.expert_out = eo;
@@ -384,10 +425,10 @@ static int interleaved(rank_ctx *rx)
         } else if (probs) {
             hep_combine_opts co;
             float *pin = malloc(sizeof(float) * (size_t)(dr.num_recv + 1) * EL);
-            float *pout = malloc(sizeof(float) * NT * NW * EL);
+            float *pout = malloc(sizeof(float) * M * EL);
             for (int p = 0; p < dr.num_recv; p++)
-                for (int h = 0; h < NH; h++)
-                    eo[(size_t)p * NH + h] = out_val(r, p);
+                for (size_t h = 0; h < H; h++)
+                    eo[(size_t)p * H + h] = out_val(r, p);
             for (int p = 0; p < dr.num_recv * EL; p++)
                 pin[p] = prob_val(r, p);
             memset(&co, 0, sizeof(co));
@@ -417,8 +458,17 @@ out:
     hep_handle_destroy(ha);
     hep_handle_destroy(hb);
     hep_group_destroy(g);
-    free(ta), free(tb), free(pa), free(pb);
+    free(ta), free(tb), free(pa), free(pb), free(sa), free(sbuf);
     return 0;
+}
+
+static void run_tcase(tcase *c)
+{
+    rank_ctx ctx[MAXW];
+    assert_int_equal(run_ranks(c->W, interleaved, c, ctx), 0);
+    for (int r = 0; r < c->W; r++)
+        if (c->bad[r])
+            fail_msg("%d mismatches; first: %s", c->bad[r], c->msg[r]);
 }
 
 static void run_case(int ranks_per_node, int pad, int budget)
@@ -463,6 +513,83 @@ static void expert_major_across_two_nodes_matches_oracle(void **s)
     run_case(2, 16, BIG_BUDGET);
 }
 
+/* Across virtual nodes (loopback NIC): N x R ranks, rings of chunks of 1 or 3 tokens
+ * (slots of 2 or 6 rows, fewer than the tokens a slot carries, so every ring wraps),
+ * pad_multiple 1 and 16, a budget that drops rows, BF16 and FP8 (rows with their scales);
+ * both layouts, probabilities through combine compared bit for bit with the oracle. */
+static void across_nodes(int N, int R, int chunk, int fp8, int pad, int budget)
+{
+    static tcase c;
+    hep_plan_info info;
+    int most = 0;
+    make_case_of(&c, N * R, R, chunk, fp8, pad, budget, 77u * (unsigned)(N + 3 * R + chunk) + 5u);
+    assert_int_equal(hep_plan_query(&c.cfg, N, R, &info), HEP_OK);
+    assert_int_equal(info.chunk_tokens, chunk);
+    for (int s = 0; s < c.W; s++) { /* the most tokens of one rank that need the last node */
+        int n = 0;
+        for (int i = 0; i < c.t[0][s]; i++) {
+            int any = 0;
+            for (int d = (N - 1) * R; d < N * R; d++)
+                any |= needs(&c, 0, s, i, d);
+            n += any;
+        }
+        most = n > most ? n : most;
+    }
+    assert_true(info.slot_tokens < (size_t)most); /* some ring wraps */
+    run_tcase(&c);
+}
+
+static void probs_2x2_chunk_1_pad_1_match_oracle(void **s)
+{
+    (void)s;
+    across_nodes(2, 2, 1, 0, 1, BIG_BUDGET);
+}
+static void probs_2x2_chunk_3_pad_16_match_oracle(void **s)
+{
+    (void)s;
+    across_nodes(2, 2, 3, 0, 16, BIG_BUDGET);
+}
+static void probs_2x4_chunk_1_pad_16_match_oracle(void **s)
+{
+    (void)s;
+    across_nodes(2, 4, 1, 0, 16, BIG_BUDGET);
+}
+static void probs_2x4_chunk_3_pad_1_match_oracle(void **s)
+{
+    (void)s;
+    across_nodes(2, 4, 3, 0, 1, BIG_BUDGET);
+}
+static void probs_4x2_chunk_3_pad_16_match_oracle(void **s)
+{
+    (void)s;
+    across_nodes(4, 2, 3, 0, 16, BIG_BUDGET);
+}
+static void probs_4x2_chunk_1_pad_1_match_oracle(void **s)
+{
+    (void)s;
+    across_nodes(4, 2, 1, 0, 1, BIG_BUDGET);
+}
+static void probs_2x4_budget_overflow_drops_last_rows(void **s)
+{
+    (void)s;
+    across_nodes(2, 4, 3, 0, 16, 48);
+}
+static void probs_fp8_2x2_chunk_3_pad_16_match_oracle(void **s)
+{
+    (void)s;
+    across_nodes(2, 2, 3, 1, 16, BIG_BUDGET);
+}
+static void probs_fp8_2x4_chunk_1_pad_16_match_oracle(void **s)
+{
+    (void)s;
+    across_nodes(2, 4, 1, 1, 16, BIG_BUDGET);
+}
+static void probs_fp8_4x2_chunk_1_pad_1_match_oracle(void **s)
+{
+    (void)s;
+    across_nodes(4, 2, 1, 1, 1, BIG_BUDGET);
+}
+
 /* The oracle itself sees what the cases claim to cover. */
 static void cases_cover_empty_expert_every_expert_and_overflow(void **s)
 {
@@ -476,6 +603,10 @@ static void cases_cover_empty_expert_every_expert_and_overflow(void **s)
     for (int e = 0; e < EL; e++)
         assert_true(L.pos[0][0][e] >= 0);
     assert_true(L.dropped > 0);
+    make_case_of(&c, 8, 4, 3, 0, 16, 48, 1);
+    em_oracle(&c, 0, 7, &L); /* rank 0's token 1: every expert of the last node's last rank */
+    for (int e = 0; e < EL; e++)
+        assert_true(L.pos[0][1][e] >= 0);
 }
 
 /* FP8: expert-major rows carry their source row's bytes and its H / 128 scales, padding
@@ -750,6 +881,16 @@ int main(int argc, char **argv)
         cmocka_unit_test(expert_major_pad_128_matches_oracle),
         cmocka_unit_test(expert_major_budget_overflow_drops_last_rows),
         cmocka_unit_test(expert_major_across_two_nodes_matches_oracle),
+        cmocka_unit_test(probs_2x2_chunk_1_pad_1_match_oracle),
+        cmocka_unit_test(probs_2x2_chunk_3_pad_16_match_oracle),
+        cmocka_unit_test(probs_2x4_chunk_1_pad_16_match_oracle),
+        cmocka_unit_test(probs_2x4_chunk_3_pad_1_match_oracle),
+        cmocka_unit_test(probs_4x2_chunk_3_pad_16_match_oracle),
+        cmocka_unit_test(probs_4x2_chunk_1_pad_1_match_oracle),
+        cmocka_unit_test(probs_2x4_budget_overflow_drops_last_rows),
+        cmocka_unit_test(probs_fp8_2x2_chunk_3_pad_16_match_oracle),
+        cmocka_unit_test(probs_fp8_2x4_chunk_1_pad_16_match_oracle),
+        cmocka_unit_test(probs_fp8_4x2_chunk_1_pad_1_match_oracle),
         cmocka_unit_test(expert_major_fp8_rows_carry_their_scales),
         cmocka_unit_test(bad_handles_and_options_are_refused_with_reasons),
     };

@@ -297,8 +297,8 @@ typedef struct hep_dispatch_opts {
  * with one node, a caller handle and the node's ranks in one process (written by the
  * dispatch kernel straight into every node-mate's recv_*; every rank of a call must use
  * the expert-major layout alike; the counts reach the host in the blocking mode only),
- * nothing of this across nodes; the host backend has all of them except expert-major
- * across nodes (it has it for threads or processes of one node). */
+ * nothing of this across nodes; the host backend has all of them, except the expert-major
+ * layout across nodes with the ranks of a node in several processes. */
 int hep_dispatch_ex(hep_group *g, const hep_dispatch_args *a, hep_dispatch_opts *opts,
                     hep_dispatch_result *out);
 
@@ -324,7 +324,8 @@ typedef struct hep_combine_opts {
  * probabilities of the last dispatch.
  * HEP_ERR_UNAVAILABLE: the GPU kernels across nodes, or probabilities without a caller
  * handle (the one-shot layout records no routing); the host backend's probabilities
- * across nodes (it has them for threads or processes of one node). */
+ * across nodes with the ranks of a node in several processes (it has them across nodes
+ * for the ranks of one process, and for threads or processes of one node). */
 int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_opts *opts);
 
 /* Where to write expert outputs for a combine without a copy: [max_recv_rows, H] BF16,

@@ -339,10 +339,11 @@ int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_op
     h = c->handle ? c->handle : g->be.own_handle;
     if ((rc = hep_handle_check(g, h, 1, "hep_combine_ex")))
         return rc;
-    if (c->probs_in && g->cfg.backend == HEP_BACKEND_HOST && g->N > 1)
+    if (c->probs_in && g->cfg.backend == HEP_BACKEND_HOST && g->N > 1 && g->shm)
         return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "hep_combine_ex: probabilities through combine are implemented for one "
-                        "node only (this group has %d nodes)",
+                        "hep_combine_ex: the host backend carries probabilities through combine "
+                        "across %d nodes with the ranks of each node in one process only (this "
+                        "node's ranks are in several processes)",
                         g->N);
     if (c->probs_out && h->t > 0 && (rc = check_ptr(c->probs_out, 4, "hep_combine_ex: probs_out")))
         return rc;

@@ -424,6 +424,12 @@ static uint64_t load_acq(const volatile uint64_t *w)
 {
     return __atomic_load_n((const uint64_t *)w, __ATOMIC_ACQUIRE);
 }
+/* The first word of slot s's count block in a flags buffer (combine: "probabilities
+ * come", see combine_run). */
+static size_t cb_at(const hep_backend_ctx *g, int s)
+{
+    return 3 * (size_t)g->N + (size_t)s * cb_words(g);
+}
 /* Reader `reader`'s count of the chunks it read of node-mate l's ring for slot s. */
 static uint64_t *read_word(hep_backend_ctx *g, int reader, int l, int s)
 {
@@ -440,6 +446,8 @@ typedef struct ring_peer {
     int final;        /* the slot's count and flag are ready */
     int in_cnt, in_nk;/* tokens and chunks of m's slot here */
     int got;          /* combine: partial sums of m read so far */
+    int send_probs;   /* combine: my partial sums for m carry their probabilities */
+    int recv_probs;   /* combine: m's partial sums here carry theirs (-1: not read yet) */
 } ring_peer;
 
 /* Rows of chunk k of a slot of cnt tokens, chunks of C. */
@@ -1102,7 +1110,8 @@ static void acc_clear(float *acc, size_t H)
 typedef struct combine_ctx {
     int next[HEP_MAX_LOCAL];
     int *enext;       /* [R][El] */
-    float *pout;      /* [E] the current token's probs_out row, or NULL */
+    float *pout;      /* [E] the current token's probs_out row, or NULL ... */
+    int pout_node;    /* ... or (1) its [R][El] part of this node, a partial sum's */
 } combine_ctx;
 
 /* acc[0..H) += the rows of token i of v (from source rank src) at the node-mates that
@@ -1113,7 +1122,7 @@ static void add_node_share(hep_backend_ctx *g, const view *v, int i, int src, co
 {
     const int H = g->cfg->hidden, El = g->cfg->experts_per_rank;
     for (int l = 0; l < g->R; l++) {
-        int d = g->node * g->R + l, es[32], n;
+        int d = g->node * g->R + l, es[32], n, pd = c->pout_node ? l : d;
         const int *mbase = (const int *)mate_local(g, l, HEP_BUF_HANDLE_META);
         const hep_handle *mh =
             g->shm ? NULL : (const hep_handle *)(uintptr_t)mailbox_of(g, l)[HEP_MB_HANDLE];
@@ -1131,7 +1140,7 @@ static void add_node_share(hep_backend_ctx *g, const view *v, int i, int src, co
             for (int ch = 0; ch < H; ch++)
                 acc[ch] += bf16_f32(x[ch]);
             for (int q = 0; c->pout && pin && q < n; q++)
-                c->pout[(size_t)d * (size_t)El + (size_t)es[q]] = pin[j * (size_t)El + (size_t)es[q]];
+                c->pout[(size_t)pd * (size_t)El + (size_t)es[q]] = pin[j * (size_t)El + (size_t)es[q]];
             continue;
         }
         for (int q = 0; q < n; q++) {
@@ -1143,7 +1152,7 @@ static void add_node_share(hep_backend_ctx *g, const view *v, int i, int src, co
             for (int ch = 0; ch < H; ch++)
                 acc[ch] += bf16_f32(x[ch]);
             if (c->pout && pin)
-                c->pout[(size_t)d * (size_t)El + (size_t)es[q]] = pin[p];
+                c->pout[(size_t)pd * (size_t)El + (size_t)es[q]] = pin[p];
         }
     }
 }
@@ -1153,7 +1162,21 @@ static void add_node_share(hep_backend_ctx *g, const view *v, int i, int src, co
  * chunk into combine.rdma_intra_node_red_token (position k % P of slot j(m)), each once
  * m's peer freed chunk k - P; and this rank's own tokens in order, each once the chunks of
  * its partial sums from every node it needs landed; this rank is the only reader of its
- * partial-sum rings, so it frees each chunk as soon as it read its last token. */
+ * partial-sum rings, so it frees each chunk as soon as it read its last token.
+ *
+ * Probabilities through combine travel with the partial sums: a partial sum's token also
+ * gets its node's [R][E_l] f32 probabilities (the value of each node-mate's row for each
+ * local expert the token chose there, 0 elsewhere) in the same ring position of
+ * combine.rdma_intra_node_red_prob, sent as one more data write of the same chunk, before
+ * the chunk's flag. So they need no flag, credit, ring or wait of their own: they land,
+ * are read and are freed with the rows they belong to (a ring of their own would add a
+ * flag and a credit per chunk, and a second set of waits that could only ever be ready
+ * together with the first). A peer sends them when any of its node-mates gave probs_in
+ * (the rows of a mate without it give 0, as within one node), and says so in the first
+ * word of its count block in the receiver's combine.rdma_inter_node_group_flags (the
+ * combine's count e; combine uses no count block), written ahead of chunk 0's flag: a
+ * receiver that asks for probabilities reads that word once chunk 0 landed and takes 0
+ * for that node's experts when it does not hold e. */
 typedef struct combine_run {
     const hep_handle *h;
     view mine;             /* this rank's recorded routing */
@@ -1174,6 +1197,8 @@ static int partial_step(hep_backend_ctx *g, uint64_t e, combine_run *r)
     const int P = g->plan->ring, C = g->plan->chunk;
     uint64_t *words = (uint64_t *)hep_be_buf(g, HEP_BUF_C_OUT_FLAGS);
     uint16_t *red = (uint16_t *)hep_be_buf(g, HEP_BUF_C_RED_TOKEN);
+    float *red_prob = (float *)hep_be_buf(g, HEP_BUF_C_RED_PROB);
+    const size_t En = (size_t)g->R * (size_t)g->cfg->experts_per_rank;
     int did = 0;
     for (int m = 0; m < g->N; m++) {
         ring_peer *d = &r->rp[m];
@@ -1189,7 +1214,12 @@ static int partial_step(hep_backend_ctx *g, uint64_t e, combine_run *r)
                (d->next < P || chunks_in(load_acq(&words[B + (size_t)m]), e) >= d->next - P + 1)) {
             const int end = (d->next + 1) * C < d->cnt ? (d->next + 1) * C : d->cnt;
             for (int k = d->next * C; k < end; k++) {
-                uint16_t *o = red + ((size_t)d->j * S + ring_row(g, (size_t)k)) * H;
+                const size_t row = (size_t)d->j * S + ring_row(g, (size_t)k);
+                uint16_t *o = red + row * H;
+                r->cx[m].pout = d->send_probs ? red_prob + row * En : NULL;
+                r->cx[m].pout_node = 1;
+                if (r->cx[m].pout)
+                    memset(r->cx[m].pout, 0, En * sizeof(float));
                 acc_clear(r->acc, H);
                 add_node_share(g, &v, k, d->peer, &r->cx[m], r->acc);
                 for (size_t c = 0; c < H; c++)
@@ -1218,6 +1248,8 @@ static int sum_step(hep_backend_ctx *g, uint64_t e, combine_run *r, int *wait_m)
     const int C = g->plan->chunk;
     uint64_t *in = (uint64_t *)hep_be_buf(g, HEP_BUF_C_GROUP_FLAGS);
     const uint16_t *parts = (const uint16_t *)hep_be_buf(g, HEP_BUF_C_GROUP_TOKEN);
+    const float *part_probs = (const float *)hep_be_buf(g, HEP_BUF_C_GROUP_PROB);
+    const size_t En = (size_t)g->R * (size_t)g->cfg->experts_per_rank;
     int did = 0;
     *wait_m = -1;
     for (; r->next_tok < g->last_t; r->next_tok++) {
@@ -1242,6 +1274,12 @@ static int sum_step(hep_backend_ctx *g, uint64_t e, combine_run *r, int *wait_m)
             p = parts + ((size_t)d->j * S + ring_row(g, (size_t)d->got)) * H;
             for (size_t c = 0; c < H; c++)
                 r->acc[c] += bf16_f32(p[c]);
+            if (r->own.pout && d->recv_probs < 0) /* chunk 0 landed: so did the word */
+                d->recv_probs = load_acq(&in[cb_at(g, d->j)]) == e;
+            if (r->own.pout && d->recv_probs) /* m's experts: [R][El] from global m R El */
+                memcpy(r->own.pout + (size_t)m * En,
+                       part_probs + ((size_t)d->j * S + ring_row(g, (size_t)d->got)) * En,
+                       En * sizeof(float));
             d->got++;
             if ((d->got % C == 0 || d->got == d->in_cnt) && !g->hold_credits)
                 __atomic_store_n(&in[B + (size_t)g->N + (size_t)d->j],
@@ -1254,16 +1292,18 @@ static int sum_step(hep_backend_ctx *g, uint64_t e, combine_run *r, int *wait_m)
     return did;
 }
 
-/* The batch of the partial sums: each chunk's rows then its flag, each slot's count and
- * flag, then the credits this rank owes for the partial sums it receives. */
+/* The batch of the partial sums: each chunk's rows (and probabilities) then its flag,
+ * each slot's count and flag, then the credits this rank owes for the partial sums it
+ * receives. With probabilities, the word that says so goes ahead of chunk 0's data. */
 static int combine_stream(hep_backend_ctx *g, uint64_t e, const ring_peer *rp)
 {
     const size_t S = g->plan->slot_tokens, rb2 = (size_t)g->cfg->hidden * 2;
     const size_t C = (size_t)g->plan->chunk, B = ring_base(g);
+    const size_t pb = (size_t)g->R * (size_t)g->cfg->experts_per_rank * sizeof(float);
     const int P = g->plan->ring, N = g->N;
     uint64_t *words = (uint64_t *)hep_be_buf(g, HEP_BUF_C_OUT_FLAGS);
     uint64_t *in = (uint64_t *)hep_be_buf(g, HEP_BUF_C_GROUP_FLAGS);
-    hep_proxy_chunk *ch = ring_chunk_list(g, rp, 2, "combine");
+    hep_proxy_chunk *ch = ring_chunk_list(g, rp, 4, "combine");
     int n = 0, rc;
     if (!ch)
         return HEP_ERR_NOMEM;
@@ -1271,6 +1311,13 @@ static int combine_stream(hep_backend_ctx *g, uint64_t e, const ring_peer *rp)
         const ring_peer *d = &rp[m];
         if (m == g->node)
             continue;
+        if (d->send_probs && d->nk > 0) { /* stored before chunk 0 can be ready */
+            __atomic_store_n(&words[cb_at(g, m)], e, __ATOMIC_RELEASE);
+            ch[n] = hep_wire_chunk(g, d->peer, HEP_BUF_C_OUT_FLAGS, cb_at(g, m) * 8,
+                                   HEP_BUF_C_GROUP_FLAGS, cb_at(g, d->s) * 8, 8,
+                                   words + src_word(g, m, 0));
+            ch[n++].want = HEP_RING_VAL(e, 1);
+        }
         for (int k = 0; k < d->nk; k++) {
             const size_t p = (size_t)(k % P), rows = chunk_rows(d->cnt, k, C);
             const uint64_t want = HEP_RING_VAL(e, k + 1);
@@ -1278,6 +1325,13 @@ static int combine_stream(hep_backend_ctx *g, uint64_t e, const ring_peer *rp)
                                    HEP_BUF_C_GROUP_TOKEN, ((size_t)d->s * S + p * C) * rb2,
                                    rows * rb2, words + src_word(g, m, (int)p));
             ch[n++].want = want;
+            if (d->send_probs) {
+                ch[n] = hep_wire_chunk(g, d->peer, HEP_BUF_C_RED_PROB,
+                                       ((size_t)d->j * S + p * C) * pb, HEP_BUF_C_GROUP_PROB,
+                                       ((size_t)d->s * S + p * C) * pb, rows * pb,
+                                       words + src_word(g, m, (int)p));
+                ch[n++].want = want;
+            }
             ch[n++] = hep_wire_flag(g, d->peer, HEP_BUF_C_OUT_FLAGS, src_word(g, m, (int)p),
                                     HEP_BUF_C_GROUP_FLAGS, B + (size_t)d->s, want);
         }
@@ -1449,6 +1503,7 @@ static int combine_ex(hep_backend_ctx *g, const hep_combine_args *a, const hep_c
     hep_proxy_chunk *ch = malloc(sizeof(hep_proxy_chunk) * (size_t)g->N);
     ring_peer *rp = calloc((size_t)g->N, sizeof(*rp));
     combine_ctx cx, *cxs = calloc((size_t)g->N, sizeof(*cxs));
+    int mates_probs = 0; /* N > 1: a node-mate sends probabilities back (combine_run) */
     int *enexts = calloc((size_t)g->N * (size_t)g->R * (size_t)g->cfg->experts_per_rank, sizeof(int));
     int n = 0, rc;
     uint64_t *mb = mailbox_of(g, g->local);
@@ -1519,6 +1574,8 @@ static int combine_ex(hep_backend_ctx *g, const hep_combine_args *a, const hep_c
         r.out = a->out;
         r.in = a->expert_out ? a->expert_out : hep_be_buf(g, HEP_BUF_TOKEN_X);
         recorded_view(g, &r.mine);
+        for (int l = 0; l < g->R && !g->shm; l++) /* the mailboxes are in since COMBINE_READY */
+            mates_probs |= mailbox_of(g, l)[HEP_MB_PROBS_IN] != 0;
         for (int m = 0; m < g->N; m++) {
             rp[m].m = m;
             rp[m].peer = m * g->R + g->local;
@@ -1529,6 +1586,8 @@ static int combine_ex(hep_backend_ctx *g, const hep_combine_args *a, const hep_c
                 continue;
             rp[m].cnt = h->slot_t[m];
             rp[m].nk = chunks_of(g, rp[m].cnt);
+            rp[m].send_probs = mates_probs;
+            rp[m].recv_probs = -1;
             for (int i = 0; i < g->last_t; i++)
                 rp[m].in_cnt += needs_node(g, &r.mine, i, m);
             rp[m].in_nk = chunks_of(g, rp[m].in_cnt);
