@@ -27,7 +27,15 @@ def main():
     ap.add_argument("--side-stream", action="store_true",
                     help="run the calls on a stream of their own (torch.cuda.Stream) instead "
                          "of the current (default) stream")
+    ap.add_argument("--bind-cpu", action="store_true",
+                    help="pin each process to one CPU core (local rank x ncores / nproc), as "
+                         "mpirun binds its ranks; torchrun does not")
     a = ap.parse_args()
+    if a.bind_cpu:
+        ncpu = len(os.sched_getaffinity(0))
+        lr, nlr = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        core = sorted(os.sched_getaffinity(0))[lr * max(1, ncpu // max(1, nlr)) % ncpu]
+        os.sched_setaffinity(0, {core})
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -73,8 +81,10 @@ def main():
         print("hybridep Python bench: %d processes, T=%d H=%d E_l=%d K=%d BF16, %d SMs, %d "
               "iterations (median; last rank's start to last rank's end)"
               % (world, a.tokens, a.hidden, a.experts_per_rank, a.topk, a.sms, a.iters))
-        print("  stream: %s" % ("a side stream of its own" if a.side_stream
-                                else "the current (default) stream"))
+        print("  stream: %s; %s" % ("a side stream of its own" if a.side_stream
+                                    else "the current (default) stream",
+                                    "each process pinned to one core" if a.bind_cpu
+                                    else "processes not pinned"))
         print("  dispatch %8.3f ms  (slowest rank's own call %8.3f ms)  %7.1f GB/s algbw per "
               "rank  (%.0f rows per rank)" % (md, od * 1e3, per_rank * rb / md * 1e-6, per_rank))
         print("  combine  %8.3f ms  (slowest rank's own call %8.3f ms)  %7.1f GB/s algbw per "

@@ -63,6 +63,7 @@ suite() { # label, allow
     if [ "$l" = mps ]; then
         run "$l: gpu_bench.py x$np" 300 pass "${trun[@]}" python/tests/gpu_bench.py
         run "$l: gpu_bench.py x$np (side stream)" 300 pass "${trun[@]}" python/tests/gpu_bench.py --side-stream
+        run "$l: gpu_bench.py x$np (pinned)" 300 pass "${trun[@]}" python/tests/gpu_bench.py --bind-cpu
         run "$l: overhead.py x$np (no_sync)" 200 pass "${trun[@]}" python/tests/overhead.py --backend gpu
     fi
     [ "${PY_MPS_ONLY:-0}" = 1 ] && return 0
@@ -94,9 +95,9 @@ if [ "${PY_MPS_ONLY:-0}" != 1 ]; then
 fi
 # the bench through the package against the C bench
 msv() { grep -m1 -E "^$2" "$1" 2>/dev/null | awk '{for(i=1;i<=NF;i++) if($i=="ms"){print $(i-1); exit}}'; }
-for variant in "" "_side_stream__"; do
+for variant in "" "_side_stream__" "_pinned__"; do
 pb=$(grep -h '^PYBENCH' "$OUT"/py_mps__gpu_bench.py_x${np}_${variant}.txt 2>/dev/null | tail -1)
-label="bench"; [ -n "$variant" ] && label="bench (side stream)"
+label="bench"; v=$(echo ${variant//_/ }); [ -n "$variant" ] && label="bench ($v)"
 for ph in dispatch combine; do
     p=$(sed -n "s/.*${ph}_ms=\([0-9.]*\).*/\1/p" <<<"$pb")
     c=$(msv "$OUT/py_c_bench.txt" "$ph")

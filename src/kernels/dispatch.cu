@@ -25,11 +25,13 @@
 #define ST_ROW(p, v) (*(p) = (v))
 #endif
 
-// One warp copies source row `src` to the rows dst_row[d] of the destinations in `mask`
-// (lane d holds destination d's row, -1 if none): each pass loads up to DU vectors per lane
-// (all in flight together), then stores them to every destination.
-__device__ __forceinline__ void push_row(const uint4 *src, bool slot, unsigned mask, int row,
-                                         char *const *s_x, size_t rb, int nvec, int per_pass)
+// One warp copies source row `src` to the rows of the pairs in `mask`: lane k holds pair
+// k's destination kd and its row there (rank-major: lane d is destination d, kd = d;
+// expert-major: lane k is slot k). Each pass loads up to DU vectors per lane (all in flight
+// together), then stores them to every pair's row.
+__device__ __forceinline__ void push_row(const uint4 *src, bool slot, unsigned mask, int kd,
+                                         int row, char *const *s_x, size_t rb, int nvec,
+                                         int per_pass)
 {
     const int lane = threadIdx.x & 31;
     for (int v0 = 0; v0 < nvec; v0 += per_pass) {
@@ -42,8 +44,8 @@ __device__ __forceinline__ void push_row(const uint4 *src, bool slot, unsigned m
                 buf[u] = slot ? ld_cg(src + q) : __ldg(src + q);
         }
         for (unsigned m = mask; m; m &= m - 1) {
-            const int d = __ffs(m) - 1;
-            const int r = __shfl_sync(FULL, row, d);
+            const int k = __ffs(m) - 1;
+            const int d = __shfl_sync(FULL, kd, k), r = __shfl_sync(FULL, row, k);
             uint4 *dst = (uint4 *)(s_x[d] + (size_t)r * rb);
 #pragma unroll
             for (int u = 0; u < DU; u++) {
@@ -93,7 +95,7 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
     float4 sc = make_float4(0.f, 0.f, 0.f, 0.f);
     if (vec_scale && lane < a.nscale / 4)
         sc = ((const float4 *)(v.scl + (size_t)i * a.nscale))[lane];
-    push_row((const uint4 *)(v.tok + (size_t)i * rb), v.slot, mask, row, s_x, rb, nvec,
+    push_row((const uint4 *)(v.tok + (size_t)i * rb), v.slot, mask, lane, row, s_x, rb, nvec,
              per_pass);
     for (unsigned m = mask; m; m &= m - 1) {
         const int d = __ffs(m) - 1;

@@ -220,35 +220,6 @@ __device__ void em_zero_padding(const hep_kargs &a)
     }
 }
 
-// One warp copies source row `src` to the rows of the pairs in `mask` (lane k holds slot
-// k's destination kd and row, -1 if none), DU vectors a lane in flight as push_row does.
-__device__ __forceinline__ void em_push_row(const uint4 *src, unsigned mask, int kd, int row,
-                                            char *const *s_x, size_t rb, int nvec, int per_pass)
-{
-    const int lane = threadIdx.x & 31;
-    for (int v0 = 0; v0 < nvec; v0 += per_pass) {
-        const int v1 = min(nvec, v0 + per_pass);
-        uint4 buf[DU];
-#pragma unroll
-        for (int u = 0; u < DU; u++) {
-            const int q = v0 + u * 32 + lane;
-            if (q < v1)
-                buf[u] = __ldg(src + q);
-        }
-        for (unsigned m = mask; m; m &= m - 1) {
-            const int k = __ffs(m) - 1;
-            const int d = __shfl_sync(FULL, kd, k), r = __shfl_sync(FULL, row, k);
-            uint4 *dst = (uint4 *)(s_x[d] + (size_t)r * rb);
-#pragma unroll
-            for (int u = 0; u < DU; u++) {
-                const int q = v0 + u * 32 + lane;
-                if (q < v1)
-                    ST_ROW(dst + q, buf[u]);
-            }
-        }
-    }
-}
-
 // One warp pushes own token i: a row, its probability (the token's weights on that expert,
 // summed in slot order) and its scales for every first slot on an expert of this node.
 __device__ __forceinline__ void em_push_token(const hep_kargs &a, int i, char *const *s_x,
@@ -273,8 +244,8 @@ __device__ __forceinline__ void em_push_token(const hep_kargs &a, int i, char *c
         pk += x == myid ? w : 0.f;
     }
     const int kd = row >= 0 ? (int)((myid - first) / El) : 0;
-    em_push_row((const uint4 *)((const char *)a.tokens + (size_t)i * rb), mask, kd, row, s_x,
-                rb, nvec, per_pass);
+    push_row((const uint4 *)((const char *)a.tokens + (size_t)i * rb), false, mask, kd, row, s_x,
+             rb, nvec, per_pass);
     if (row >= 0)
         s_prob[kd][row] = pk;
     for (unsigned m = mask; m; m &= m - 1) { /* scales: the lanes copy one pair's at a time */
