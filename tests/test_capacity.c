@@ -1,8 +1,11 @@
 /* The receive capacity (config.max_recv_rows) on the host backend: a dispatch that needs
  * exactly the capacity succeeds and writes nothing past it; one that needs one row more
  * fails on every rank with HEP_ERR_OVERFLOW naming the rank and its rows, writes no
- * receive byte (the whole receive region is poisoned and checked), and the next call with
- * fitting routing succeeds. One node of 4 ranks and 2 nodes of 2 (the loopback NIC). The
+ * receive byte (the whole receive region is poisoned and checked); the same one with
+ * HEP_ASYNC drops the row past the capacity instead (HEP_WARN_IGNORED on every rank, the
+ * overflow words, the kept rows, counts and tokens per expert, nothing written past the
+ * capacity, and a combine in which the dropped row contributes nothing); and the next call
+ * with fitting routing succeeds. One node of 4 ranks and 2 nodes of 2 (the loopback NIC). The
  * GPU backend refuses a capacity across nodes at group creation (tests/test_gpu_train.c
  * checks it on one node). */
 #include <setjmp.h>
@@ -71,6 +74,61 @@ static void region(hep_group *g, const hep_config *c, unsigned char **lo, size_t
     *tok_end -= tok, *prob_off -= tok, *prob_end -= tok;
 }
 
+static float bf16_f(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+/* After the dropping dispatch (routing B, HEP_ASYNC): the words, counts and rows of rank r. */
+static int check_drop(int r, const hep_dispatch_result *res)
+{
+    const int *w = res->overflow_device, *hc = res->host_counts;
+    /* slot 1 of token k (of 32, in source order) is expert 2 + k % 6: rank 1 gets 12 */
+    const int need = r == 0 ? NW * NT : r == 1 ? 12 : 10;
+    if (!w || !hc)
+        return hep_set_last_error(HEP_ERR_INTERNAL, "rank %d: no overflow words", r);
+    if (w[HEP_OVERFLOW_DROPPED] != 1 || w[HEP_OVERFLOW_NEEDED] != need ||
+        w[HEP_OVERFLOW_ROWS] != (r == 0 ? 1 : 0))
+        return hep_set_last_error(HEP_ERR_INTERNAL,
+                                  "rank %d: overflow words %d %d %d, expected 1 %d %d", r, w[0],
+                                  w[1], w[2], need, r == 0);
+    if (res->num_recv != -1 || res->num_recv_device[0] != (r == 0 ? CAP : need) ||
+        hc[0] != res->num_recv_device[0])
+        return hep_set_last_error(HEP_ERR_INTERNAL, "rank %d: num_recv %d, counts %d %d", r,
+                                  res->num_recv, res->num_recv_device[0], hc[0]);
+    if (r == 0) { /* every token on expert 0, the last one dropped: 31 of 32, none on 1 */
+        const uint16_t *rows = res->tokens;
+        if (res->tokens_per_expert_device[0] != CAP || res->tokens_per_expert_device[1] != 0)
+            return hep_set_last_error(HEP_ERR_INTERNAL, "rank 0: tokens per expert %d %d",
+                                      res->tokens_per_expert_device[0],
+                                      res->tokens_per_expert_device[1]);
+        for (int j = 0; j < CAP; j++) /* the first CAP rows of the receive order */
+            for (int ch = 0; ch < NH; ch++)
+                if (rows[(size_t)j * NH + ch] != value(j / NT, j % NT, ch))
+                    return hep_set_last_error(HEP_ERR_INTERNAL, "rank 0: kept row %d differs", j);
+    }
+    return HEP_OK;
+}
+
+/* Combine of the dropping dispatch with its own rows as expert outputs: every token has
+ * two rows (2 v), except rank NW - 1's last, whose row at rank 0 was dropped (v). */
+static int check_drop_combine(int r, const uint16_t *out)
+{
+    for (int i = 0; i < NT; i++)
+        for (int ch = 0; ch < NH; ch++) {
+            const float v = bf16_f(value(r, i, ch));
+            const float want = r == NW - 1 && i == NT - 1 ? v : 2 * v;
+            if (bf16_f(out[i * NH + ch]) != want)
+                return hep_set_last_error(HEP_ERR_INTERNAL,
+                                          "rank %d: combine of token %d channel %d is %g, not %g",
+                                          r, i, ch, bf16_f(out[i * NH + ch]), want);
+        }
+    return HEP_OK;
+}
+
 static int all_poison(const unsigned char *p, size_t from, size_t to)
 {
     for (size_t i = from; i < to; i++)
@@ -107,12 +165,31 @@ static int one_rank(rank_ctx *x)
             tok[i * NH + ch] = value(r, i, ch);
     memset(&a, 0, sizeof(a));
     a.num_tokens = NT, a.tokens = tok, a.topk_idx = ids, a.topk = NK, a.topk_weights = w;
-    for (int call = 0; call < 3; call++) {
-        const int over = call == 1;
-        routing(r, over, ids, w);
+    for (int call = 0; call < 4; call++) {
+        const int over = call == 1, drop = call == 2;
+        routing(r, over || drop, ids, w);
+        a.flags = drop ? HEP_ASYNC : 0;
         /* before a fitting call the bytes past the capacity, before the overflow all of it */
         memset(lo, POISON, len);
         rc = hep_dispatch(g, &a, &res);
+        if (drop) {
+            if (rc != HEP_WARN_IGNORED)
+                return rc ? rc : hep_set_last_error(HEP_ERR_INTERNAL, "no drop warning");
+            if (!strstr(hep_last_error(), "rank 0 needs 32 receive rows, more than "
+                                           "config.max_recv_rows = 31 (1 rank(s) over; "
+                                           "HEP_ASYNC): the rows at or past"))
+                return HEP_ERR_INTERNAL;
+            if (!all_poison(lo, tok_end, prob_off) || !all_poison(lo, prob_end, len))
+                return hep_set_last_error(HEP_ERR_INTERNAL, "rank %d: dropping wrote past the "
+                                          "capacity", r);
+            if ((rc = check_drop(r, &res)))
+                return rc;
+            memset(&ca, 0, sizeof(ca));
+            ca.handle = res.handle, ca.expert_out = hep_combine_input(g), ca.out = out;
+            if ((rc = hep_combine(g, &ca)) || (rc = check_drop_combine(r, out)))
+                return rc;
+            continue;
+        }
         if (over) {
             if (rc != HEP_ERR_OVERFLOW)
                 return rc ? rc : hep_set_last_error(HEP_ERR_INTERNAL, "no overflow");
@@ -126,6 +203,10 @@ static int one_rank(rank_ctx *x)
         }
         if (rc)
             return rc;
+        if (!res.overflow_device || res.overflow_device[HEP_OVERFLOW_DROPPED] ||
+            res.overflow_device[HEP_OVERFLOW_ROWS] ||
+            res.overflow_device[HEP_OVERFLOW_NEEDED] != res.num_recv)
+            return hep_set_last_error(HEP_ERR_INTERNAL, "rank %d: overflow words of a fit", r);
         if (!all_poison(lo, tok_end, prob_off) || !all_poison(lo, prob_end, len))
             return hep_set_last_error(HEP_ERR_INTERNAL, "rank %d: written past the capacity", r);
         if (r == 0) { /* every token but rank 3's last, in source order */
@@ -160,13 +241,13 @@ static void run(int ranks_per_node)
             fail_msg("rank %d: %s: %s", r, hep_status_name(ctx[r].rc), ctx[r].err);
 }
 
-static void capacity_met_fits_one_short_overflows_everywhere_one_node(void **state)
+static void capacity_met_fits_one_short_overflows_or_drops_everywhere_one_node(void **state)
 {
     (void)state;
     run(NW);
 }
 
-static void capacity_met_fits_one_short_overflows_everywhere_two_nodes(void **state)
+static void capacity_met_fits_one_short_overflows_or_drops_everywhere_two_nodes(void **state)
 {
     (void)state;
     run(NW / 2);
@@ -219,8 +300,8 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(config_check_bounds_the_capacity_by_world_x_tokens),
-        cmocka_unit_test(capacity_met_fits_one_short_overflows_everywhere_one_node),
-        cmocka_unit_test(capacity_met_fits_one_short_overflows_everywhere_two_nodes),
+        cmocka_unit_test(capacity_met_fits_one_short_overflows_or_drops_everywhere_one_node),
+        cmocka_unit_test(capacity_met_fits_one_short_overflows_or_drops_everywhere_two_nodes),
         cmocka_unit_test(gpu_backend_refuses_a_capacity_across_nodes_at_creation),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

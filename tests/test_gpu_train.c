@@ -3,7 +3,11 @@
  * interleaved order, one of them twice; outputs in caller memory; probabilities through
  * combine; BF16 and FP8; the receive capacity exactly met, one row short on one rank
  * (HEP_ERR_OVERFLOW on every rank, no receive byte written), then fitting again; graph
- * capture of the no-sync mode with every replay checked. The routing has repeated and
+ * capture of the no-sync mode with every replay checked; the no-sync mode past the
+ * capacity, captured and replayed (the rows at or past it dropped on every rank that needs
+ * more: the overflow words, the kept rows, counts and tokens per expert, a combine that sums
+ * only the kept rows and probabilities 0 for the dropped ones, HEP_WARN_IGNORED from
+ * hep_group_sync), then a blocking call that fits. The routing has repeated and
  * unused slots, an expert nobody chooses and a token on every expert of a rank. Without a
  * GPU it skips with the reason. HEP_GPU_TEST_SMALL=1 runs small shapes (compute-sanitizer).
  *
@@ -34,7 +38,8 @@
 
 typedef struct tcase {
     hep_config cfg;
-    int W, T, H, fp8, cap_mode; /* cap_mode: 0 none; 1 the capacity sequence */
+    int W, T, H, fp8, cap_mode; /* cap_mode: 0 none; 1 the capacity sequence; 2 the no-sync
+                                   overflow sequence */
     int t[2][MAXW];
     int ids[2][MAXW][MAXT * KS];
     float w[2][MAXW][MAXT * KS];
@@ -49,6 +54,7 @@ typedef struct tcase {
         char err[512];
         int nrecv[STEPS], counts[STEPS][1 + EL];
         int emw[STEPS][3];           /* expert-major: num_permuted, overflow, overflow_rows */
+        int ovw[2][3];               /* cap_mode 2: overflow_device of steps 0 and 1 */
         long long tpe[STEPS][EL];    /* ... padded tokens per expert */
         unsigned char *rows[STEPS];
         float *probs[STEPS], *scales[STEPS];
@@ -137,6 +143,30 @@ static void make_cap_case(tcase *c, int W, int T, int H, unsigned seed)
     for (int k = 0; k < KS; k++)
         c->ids[1][0][c->t[0][0] * KS + k] = k == 0 ? c->cap_rank * EL : -1;
     c->t[1][0]++;
+}
+
+/* The no-sync overflow sequence: set 0 (random) needs more than the capacity, two thirds
+ * of its busiest rank's rows, on some ranks; set 1, the first tokens of set 0, fits. */
+static void make_drop_case(tcase *c, int W, int T, int H, unsigned seed)
+{
+    int most = 0, fits;
+    make_case(c, W, T, H, 0, seed);
+    c->cap_mode = 2;
+    for (int d = 0; d < W; d++)
+        most = need(c, 0, d) > most ? need(c, 0, d) : most;
+    c->cap = most * 2 / 3;
+    c->cfg.max_recv_rows = c->cap;
+    memcpy(c->ids[1], c->ids[0], sizeof(c->ids[0]));
+    memcpy(c->w[1], c->w[0], sizeof(c->w[0]));
+    for (int r = 0; r < W; r++)
+        c->t[1][r] = c->t[0][r] / 3;
+    do { /* fewer tokens until every rank fits */
+        fits = 1;
+        for (int d = 0; d < W; d++)
+            fits &= need(c, 1, d) <= c->cap;
+        for (int r = 0; !fits && r < W; r++)
+            c->t[1][r] = c->t[1][r] * 3 / 4;
+    } while (!fits);
 }
 
 /* Expert-major rows rank d needs for set a with pad_multiple pad (padding included). */
@@ -435,6 +465,107 @@ static int do_combine(hep_group *g, hep_handle *h, rank_bufs *b, int eo, void *s
 
 static int compare_rank(tcase *c, int r, int step_only);
 
+/* The overflow words of a dispatch (host or device memory). */
+static void save_words(const mem *m, const hep_dispatch_result *dr, int *w)
+{
+    w[0] = w[1] = w[2] = -9;
+    if (dr->overflow_device && m_get_into(m, w, dr->overflow_device, 3 * sizeof(int)))
+        w[0] = w[1] = w[2] = -8;
+}
+
+/* cap_mode 2 on rank x->rank: set 0 with HEP_ASYNC into hA and its combine (the GPU:
+ * captured once, replayed graph_replays times, each replay checked against the host run),
+ * its status (the call's on the host, hep_group_sync's on the GPU) in rc[2] and msg; then
+ * set 1 blocking into hB and its combine. 1 with o->err set on a failure. */
+static int drop_sequence(tcase *c, rank_ctx *x, hep_group *g, hep_handle *hA, hep_handle *hB,
+                         rank_bufs *b, cudaStream_t st)
+{
+    const int r = x->rank;
+    struct rout *o = &c->out[c->gpu][r];
+    const mem m = {c->gpu};
+    hep_dispatch_result dr;
+    hep_dispatch_opts xo;
+    hep_dispatch_args da;
+    int rc = 0, crc;
+    if (!c->gpu) {
+        xo = opts_into(b, hA, 0);
+        da = dargs(c, r, b, 0, 0, st, HEP_ASYNC);
+        o->rc[2] = hep_dispatch_ex(g, &da, &xo, &dr);
+        snprintf(o->msg, sizeof(o->msg), "%s", hep_last_error());
+        if (o->rc[2] && o->rc[2] != HEP_WARN_IGNORED)
+            FAIL("rank %d: no-sync dispatch past the capacity: %s", r, hep_last_error());
+        save_words(&m, &dr, o->ovw[0]);
+        dr.num_recv = dr.num_recv_device[0];
+        save_dispatch(c, o, &m, b, 0, &dr);
+        if ((rc = do_combine(g, hA, b, 0, st, HEP_ASYNC)))
+            FAIL("rank %d: combine of the dropping dispatch: %s", r, hep_last_error());
+        save_combine(c, o, &m, b, 0, c->t[0][r]);
+    } else {
+        cudaGraph_t graph = NULL;
+        cudaGraphExec_t exec = NULL;
+        x->bs.barrier(x->bs.ctx);
+        if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
+            FAIL("rank %d: begin capture", r);
+        xo = opts_into(b, hA, 0);
+        da = dargs(c, r, b, 0, 0, st, HEP_ASYNC);
+        rc = hep_dispatch_ex(g, &da, &xo, &dr);
+        crc = do_combine(g, hA, b, 0, st, HEP_ASYNC);
+        if (cudaStreamEndCapture(st, &graph) != cudaSuccess || rc || crc ||
+            cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
+            FAIL("rank %d: capture: %d %d %s", r, rc, crc, hep_last_error());
+        for (int rep = 0; rep < c->graph_replays; rep++) {
+            hep_dispatch_result rr = dr;
+            const size_t rows = (size_t)c->cap;
+            if (cudaMemset(b->rtok[0], 0xff, rows * rbytes(c)) ||
+                cudaMemset(b->rprob[0], 0xff, rows * sizeof(float) * EL) ||
+                cudaMemset(b->out, 0xff, (size_t)c->T * c->H * 2) ||
+                cudaMemset(b->pout, 0xff, sizeof(float) * (size_t)c->T * EL * c->W) ||
+                cudaMemset((void *)dr.overflow_device, 0xee, 3 * sizeof(int)) ||
+                cudaDeviceSynchronize())
+                FAIL("rank %d: poison", r);
+            x->bs.barrier(x->bs.ctx);
+            if (cudaGraphLaunch(exec, st) != cudaSuccess)
+                FAIL("rank %d: graph launch", r);
+            o->rc[2] = hep_group_sync(g, st);
+            snprintf(o->msg, sizeof(o->msg), "%s", hep_last_error());
+            if (o->rc[2] && o->rc[2] != HEP_WARN_IGNORED)
+                FAIL("rank %d: replay %d: %s", r, rep, hep_last_error());
+            save_words(&m, &dr, o->ovw[0]);
+            if (m_get_into(&m, &rr.num_recv, dr.num_recv_device, sizeof(int)))
+                rr.num_recv = -5;
+            free(o->rows[0]), free(o->probs[0]), free(o->scales[0]);
+            free(o->comb[0]), free(o->pout[0]);
+            save_dispatch(c, o, &m, b, 0, &rr);
+            save_combine(c, o, &m, b, 0, c->t[0][r]);
+            if (memcmp(o->ovw[0], c->out[0][r].ovw[0], sizeof(o->ovw[0])) ||
+                compare_rank(c, r, 1)) {
+                snprintf(o->err + strlen(o->err), sizeof(o->err) - strlen(o->err),
+                         " (overflow words %d %d %d, host %d %d %d; graph replay %d)",
+                         o->ovw[0][0], o->ovw[0][1], o->ovw[0][2], c->out[0][r].ovw[0][0],
+                         c->out[0][r].ovw[0][1], c->out[0][r].ovw[0][2], rep);
+                break;
+            }
+        }
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        if (o->err[0])
+            return 1;
+    }
+    /* the group stays usable: set 1 fits, blocking */
+    xo = opts_into(b, hB, 1);
+    da = dargs(c, r, b, 1, 0, st, 0);
+    if ((o->rc[3] = hep_dispatch_ex(g, &da, &xo, &dr)))
+        FAIL("rank %d: dispatch that fits after the drop: %s", r, hep_last_error());
+    save_words(&m, &dr, o->ovw[1]);
+    save_dispatch(c, o, &m, b, 1, &dr);
+    if ((o->rc[4] = do_combine(g, hB, b, 1, st, 0)))
+        FAIL("rank %d: combine after the drop: %s", r, hep_last_error());
+    save_combine(c, o, &m, b, 1, c->t[1][r]);
+    return 0;
+out: /* FAIL */
+    return 1;
+}
+
 /* The handle sequence: dispatch A into hA, B into hB (outputs in caller memory), combine
  * hA, dispatch with hA's layout again (new tokens, recorded weights), combine hB, combine
  * hA again (other expert outputs). Or the capacity sequence. */
@@ -464,7 +595,7 @@ static int run_rank(rank_ctx *x)
         FAIL("rank %d: create: %s", r, hep_last_error());
     if (setup_bufs(c, r, &m, g, &b) || hep_handle_create(g, &hA) || hep_handle_create(g, &hB))
         FAIL("rank %d: buffers or handles: %s", r, hep_last_error());
-    if (c->cap_mode) {
+    if (c->cap_mode == 1) {
         /* exactly the capacity: fits */
         xo = opts_into(&b, hA, 0);
         da = dargs(c, r, &b, 0, 0, st, 0);
@@ -506,6 +637,10 @@ static int run_rank(rank_ctx *x)
         if ((o->rc[4] = do_combine(g, hB, &b, 1, st, 0)))
             FAIL("rank %d: combine after the overflow: %s", r, hep_last_error());
         save_combine(c, o, &m, &b, 1, c->t[0][r]);
+        goto out;
+    }
+    if (c->cap_mode == 2) {
+        (void)drop_sequence(c, x, g, hA, hB, &b, st); /* o->err says how it went */
         goto out;
     }
     xo = opts_case(c, &b, hA, 0, 0);
@@ -684,13 +819,14 @@ static int compare_rank(tcase *c, int r, int step_only)
     struct rout *h = &c->out[0][r], *o = &c->out[1][r];
     const size_t ns = (size_t)c->H / 128, E = (size_t)EL * c->W;
     int bad = 0;
-    const int nsteps = c->cap_mode ? 2 : step_only ? 1 : STEPS;
-    const int ncombs = c->cap_mode ? 2 : step_only ? 1 : COMBS;
+    const int nsteps = step_only ? 1 : c->cap_mode ? 2 : STEPS;
+    const int ncombs = step_only ? 1 : c->cap_mode ? 2 : COMBS;
     for (int s = 0; s < nsteps; s++) {
         const size_t n = h->nrecv[s] > 0 ? (size_t)h->nrecv[s] : 0;
         int k;
         if (o->nrecv[s] != h->nrecv[s] ||
-            (!step_only && memcmp(o->counts[s], h->counts[s], sizeof(h->counts[s])))) {
+            ((!step_only || c->cap_mode == 2) &&
+             memcmp(o->counts[s], h->counts[s], sizeof(h->counts[s])))) {
             snprintf(o->err, sizeof(o->err), "rank %d step %d: %d rows (tokens per expert 0: %d), "
                      "host %d (%d)", r, s, o->nrecv[s], o->counts[s][1], h->nrecv[s],
                      h->counts[s][1]);
@@ -718,7 +854,7 @@ static int compare_rank(tcase *c, int r, int step_only)
         }
     }
     for (int s = 0; s < ncombs; s++) {
-        const int set = c->cap_mode ? 0 : s == 1;
+        const int set = c->cap_mode == 1 ? 0 : s == 1;
         const size_t t = (size_t)c->t[set][r];
         int k;
         if ((k = first_diff(o->comb[s], h->comb[s], t * c->H * 2)) >= 0) {
@@ -776,6 +912,48 @@ static int check_em_overflow(const tcase *c, const char *name)
     return bad;
 }
 
+/* cap_mode 2, both runs: the status and message of the dropping dispatch, its overflow
+ * words and kept rows as this test counts them, the words of the call that fit. */
+static int check_drop(const tcase *c, const char *name)
+{
+    int bad = 0, first = -1, dropped = 0;
+    char want[128];
+    for (int d = 0; d < c->W && first < 0; d++)
+        if (need(c, 0, d) > c->cap)
+            first = d;
+    if (first < 0) {
+        print_error("%s: no rank needs more than the capacity %d: the case is wrong\n", name,
+                    c->cap);
+        return 1;
+    }
+    snprintf(want, sizeof(want), "rank %d needs %d receive rows, more than "
+             "config.max_recv_rows = %d (", first, need(c, 0, first), c->cap);
+    for (int side = 0; side < 2; side++)
+        for (int r = 0; r < c->W; r++) {
+            const struct rout *o = &c->out[side][r];
+            const int n0 = need(c, 0, r), n1 = need(c, 1, r);
+            const int w0[3] = {1, n0, n0 > c->cap ? n0 - c->cap : 0}, w1[3] = {0, n1, 0};
+            dropped += side == 0 && w0[2] > 0;
+            if (o->rc[2] != HEP_WARN_IGNORED || !strstr(o->msg, want) ||
+                memcmp(o->ovw[0], w0, sizeof(w0)) || memcmp(o->ovw[1], w1, sizeof(w1)) ||
+                o->nrecv[0] != (n0 < c->cap ? n0 : c->cap) || o->nrecv[1] != n1) {
+                print_error("%s, %s rank %d: past the capacity %d: %s: %s (want \"%s\"); "
+                            "words %d %d %d (want %d %d %d), then %d %d %d (want %d %d %d); "
+                            "rows %d, %d (want %d, %d)\n",
+                            name, side ? "GPU" : "host", r, c->cap, hep_status_name(o->rc[2]),
+                            o->msg, want, o->ovw[0][0], o->ovw[0][1], o->ovw[0][2], w0[0],
+                            w0[1], w0[2], o->ovw[1][0], o->ovw[1][1], o->ovw[1][2], w1[0],
+                            w1[1], w1[2], o->nrecv[0], o->nrecv[1],
+                            n0 < c->cap ? n0 : c->cap, n1);
+                bad++;
+            }
+        }
+    if (!bad)
+        print_message("%s: %d of %d ranks dropped rows past the capacity %d\n", name, dropped,
+                      c->W, c->cap);
+    return bad;
+}
+
 static void run_case(tcase *c, const char *name)
 {
     rank_ctx ctx[MAXW];
@@ -799,7 +977,9 @@ static void run_case(tcase *c, const char *name)
     }
     if (c->em && c->budget[0] < c->budget[1] && !fails)
         fails += check_em_overflow(c, name);
-    if (c->cap_mode && !fails)
+    if (c->cap_mode == 2 && !fails)
+        fails += check_drop(c, name);
+    if (c->cap_mode == 1 && !fails)
         for (int side = 0; side < 2; side++)
             for (int r = 0; r < c->W; r++) {
                 char want[64];
@@ -864,6 +1044,16 @@ static void capacity_met_then_one_short_then_fits_again(void **state)
     (void)state;
     make_cap_case(c, W_(), T_(), 256, 14u);
     run_case(c, "capacity");
+    free(c);
+}
+
+static void no_sync_past_the_capacity_drops_rows_in_graph_replays_then_fits(void **state)
+{
+    tcase *c = new_case();
+    (void)state;
+    make_drop_case(c, W_(), T_(), 256, 16u);
+    c->graph_replays = 3;
+    run_case(c, "no-sync capacity overflow, graph replay x3");
     free(c);
 }
 
@@ -941,6 +1131,7 @@ int main(void)
         cmocka_unit_test(handles_interleaved_reused_and_combined_twice_fp8),
         cmocka_unit_test(handles_with_four_ranks_and_int32_routing),
         cmocka_unit_test(capacity_met_then_one_short_then_fits_again),
+        cmocka_unit_test(no_sync_past_the_capacity_drops_rows_in_graph_replays_then_fits),
         cmocka_unit_test(graph_replays_of_the_no_sync_mode_equal_the_host),
         cmocka_unit_test(expert_major_pad_1_equals_the_host),
         cmocka_unit_test(expert_major_pad_16_equals_the_host),

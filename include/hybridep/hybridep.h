@@ -72,14 +72,29 @@ typedef struct hep_config {
                              (exchange.token, dispatch.recv_prob, dispatch.recv_scaling_factor
                              are sized by it). 0 (default) = W x T, the worst case (every token
                              of every rank routed to one rank), which never overflows; else
-                             1..W x T. A dispatch that needs more rows on any rank writes
-                             nothing into any rank's receive buffers and fails on every rank
-                             with HEP_ERR_OVERFLOW; the group stays usable. `hybridep plan`
-                             prints what uniform routing needs. GPU backend: one node (the
-                             layout step sees every rank's rows in the counts it exchanges;
-                             with HEP_ASYNC the error surfaces at hep_group_sync and a combine
-                             of that call does nothing); across nodes group creation refuses
-                             a non-zero value with HEP_ERR_UNAVAILABLE. */
+                             1..W x T. Blocking mode: a dispatch that needs more rows on
+                             any rank writes nothing into any rank's receive buffers and
+                             fails on every rank with HEP_ERR_OVERFLOW. HEP_ASYNC (no host
+                             round trip, so also in graph capture), rank-major layout: rows
+                             are dropped instead, by the rule of the expert-major budget:
+                             every rank keeps the rows whose position in its receive order
+                             is below the capacity and drops those at or past it; num_recv
+                             is min(rows needed, capacity), tokens_per_expert[e] counts the
+                             kept rows with a slot on e, a combine of that call sums only
+                             the kept rows (a dropped row contributes nothing, a token whose
+                             rows were all dropped gets -0.0), probabilities through combine
+                             are 0 for a dropped row, a HEP_REUSE_LAYOUT dispatch of that
+                             layout drops the same rows; hep_dispatch_result.overflow_device
+                             says so on the device, and the call (host backend) or
+                             hep_group_sync (GPU) returns HEP_WARN_IGNORED naming the first
+                             rank over it. The expert-major layout is all or nothing in
+                             both modes (HEP_ERR_OVERFLOW; with HEP_ASYNC on the GPU at
+                             hep_group_sync, and a combine of it does nothing). The group
+                             stays usable either way. `hybridep plan` prints what uniform
+                             routing needs. GPU backend: one node (the layout step sees
+                             every rank's rows in the counts it exchanges); across nodes
+                             group creation refuses a non-zero value with
+                             HEP_ERR_UNAVAILABLE. */
 } hep_config;
 
 /* Fill *c with the defaults above (the fields without a default are zero). */
@@ -168,18 +183,32 @@ typedef struct hep_dispatch_result {
     int num_recv;             /* rows received; -1 with HEP_ASYNC */
     size_t max_recv_rows;
     uint64_t handle;          /* pass to hep_combine */
+    const int *overflow_device; /* [3] the receive capacity's words, where the backend writes
+                                 them (GPU: device memory, valid once the stream passed this
+                                 dispatch, also in graph replays; host backend: host memory):
+                                 [HEP_OVERFLOW_DROPPED] 1 if this call dropped rows on any rank
+                                 (HEP_ASYNC past config.max_recv_rows; the same on every rank),
+                                 [HEP_OVERFLOW_NEEDED] the rows this rank needed,
+                                 [HEP_OVERFLOW_ROWS] the rows it dropped (needed - kept) */
 } hep_dispatch_result;
+
+/* Indices of hep_dispatch_result.overflow_device. */
+#define HEP_OVERFLOW_DROPPED 0
+#define HEP_OVERFLOW_NEEDED 1
+#define HEP_OVERFLOW_ROWS 2
 
 /* Dispatch this rank's tokens. Outputs stay valid until the next dispatch or combine. The
  * caller's buffers are read only during the call (combine uses what dispatch recorded).
  * HEP_WARN_IGNORED: an expert id out of range (not -1 and not below E); that slot was
- * ignored on every rank and the dispatch happened: call hep_combine as usual.
+ * ignored on every rank and the dispatch happened: call hep_combine as usual. Also (the
+ * host backend with HEP_ASYNC) rows past config.max_recv_rows were dropped (see there).
  * Errors (nothing happened): HEP_ERR_INVALID (NULL pointers, t > T, topk > max_topk,
  * unknown index type or flag bits, misaligned rows), HEP_ERR_OVERFLOW (config.max_recv_rows
  * set and some rank would receive more rows: returned on every rank, the message names the
  * first such rank and the rows it needed; no receive buffer was written; the group stays
  * usable and the sequence goes on with the next dispatch; the handle holds no layout, so
- * there is no combine for this call), HEP_ERR_TIMEOUT (a rank did not arrive within HEP_TIMEOUT_MS;
+ * there is no combine for this call; with HEP_ASYNC and the rank-major layout rows are
+ * dropped instead), HEP_ERR_TIMEOUT (a rank did not arrive within HEP_TIMEOUT_MS;
  * the message names it; the group cannot be used afterwards), HEP_ERR_VERBS (a network
  * write failed: peer, buffer and NIC text), HEP_ERR_UNAVAILABLE (graph capture across
  * nodes), HEP_ERR_CUDA. */
@@ -339,7 +368,9 @@ int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_op
  * other pointer is copied in). */
 void *hep_combine_input(hep_group *g);
 
-/* Wait for `stream` and report the first error of an HEP_ASYNC call (0 if none). */
+/* Wait for `stream` and report the first error of an HEP_ASYNC call (0 if none).
+ * HEP_WARN_IGNORED: a call completed and ignored part of its input (an expert id out of
+ * range, rows past config.max_recv_rows dropped); the message says which. */
 int hep_group_sync(hep_group *g, void *stream);
 
 /* ---------------------------------------------------------------- statistics */

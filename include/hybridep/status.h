@@ -33,7 +33,8 @@ typedef enum hep_status {
     HEP_ERR_OVERFLOW = 12    /* a dispatch needed more receive rows than the capacity
                                 (config.max_recv_rows) on some rank: it failed on every
                                 rank, nothing was written past the capacity, and the group
-                                stays usable */
+                                stays usable (with HEP_ASYNC a rank-major dispatch drops
+                                the rows past it instead: HEP_WARN_IGNORED) */
 } hep_status;
 
 /* Status rule: HEP_OK and HEP_WARN_IGNORED mean the call did its collective work; every

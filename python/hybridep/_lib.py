@@ -88,7 +88,8 @@ class DispatchResult(ctypes.Structure):
                 ("scales", ctypes.c_void_p), ("num_recv_device", ctypes.c_void_p),
                 ("tokens_per_expert_device", ctypes.c_void_p),
                 ("host_counts", ctypes.POINTER(ctypes.c_int)), ("num_recv", ctypes.c_int),
-                ("max_recv_rows", ctypes.c_size_t), ("handle", ctypes.c_uint64)]
+                ("max_recv_rows", ctypes.c_size_t), ("handle", ctypes.c_uint64),
+                ("overflow_device", ctypes.POINTER(ctypes.c_int))]
 
 
 class CombineArgs(ctypes.Structure):

@@ -68,6 +68,8 @@ typedef struct hep_backend_ctx {
     int last_call;                  /* host backend: 1 dispatch, 2 combine, 0 none yet */
     uint64_t x_epoch;               /* GPU: the dispatch whose rows exchange.token holds, 0 once
                                        a combine ran after it (then no combine is in place) */
+    int recv_limit;                 /* host backend, during a dispatch: 0, or the capacity
+                                       past which rows are dropped (HEP_ASYNC, rank-major) */
     int *row_experts;               /* host backend, during an expert-major dispatch: each
                                        received row's local experts ([rows][kmax], -1 ends) */
     struct hep_kargs *kargs;        /* GPU backend: launch arguments, node pointers filled */
@@ -112,6 +114,8 @@ struct hep_handle {
     int layout, pad, budget; /* hep_layout, pad_multiple, num_permuted_tokens */
     int num_permuted, overflow, overflow_rows;
     int em_words[3];     /* host backend: the three above, for permuted_device */
+    int drop_words[3];   /* host backend: the receive capacity's words of its dispatch
+                            (hep_dispatch_result.overflow_device) */
     int *ids;            /* [T][kmax] the dispatch's routing (invalid ids and unused as -1) */
     float *w;            /* [T][kmax] its weights (0 past topk) */
     float *w_scratch;    /* [T][kmax] a reuse's caller weights widened to kmax */
@@ -139,6 +143,7 @@ struct hep_handle {
     int *d_em;           /* [HEP_EM_WORDS] num_permuted, overflow, overflow_rows, then per
                             local expert its data end and padding end (clipped) */
     int64_t *d_tpe;      /* [El] padded rows per local expert as written */
+    int *d_drop;         /* [3] the receive capacity's words (overflow_device) */
 };
 
 /* A dispatch's handle: the group's tag above its call count. */

@@ -36,6 +36,7 @@ static void use_layout(hep_backend_ctx *g, const hep_handle *h)
         k->recv_count = h->d_counts;
         k->over = h->d_counts + 1;
         k->tokens_per_expert = h->d_counts + 2;
+        k->ovf = h->d_drop;
         return;
     }
     k->dest_rows = (int *)hep_be_buf(g, HEP_BUF_HANDLE_ROWS);
@@ -43,6 +44,9 @@ static void use_layout(hep_backend_ctx *g, const hep_handle *h)
     k->over = k->meta + ((g->world + 1) & ~1) + 2 * 9; /* after the 9 u64 counters */
     k->recv_count = k->over + 1;
     k->tokens_per_expert = k->recv_count + 1;
+    /* after the work counters: the plan's 4 W + El + 24 + HEP_WORK_WORDS words of handle.meta
+     * hold the (W + 1 rounded to even) + 18 + 2 + El + HEP_WORK_WORDS + 3 used here */
+    k->ovf = (int *)(k->tokens_per_expert + k->El) + HEP_WORK_WORDS;
 }
 
 /* After the group layer checked the node's shape against the kernels' limits: load the
@@ -181,6 +185,15 @@ static int diag_status(hep_backend_ctx *g, const char *call, void *stream)
         g->broken = 1;
         return hep_fail(HEP_ERR_TIMEOUT, "%s", g->broken_msg);
     }
+    if (d->overflow_claimed && d->overflow_dropped) { /* HEP_ASYNC: the call happened */
+        const int over = d->overflow_rank, need = d->overflow_rows;
+        d->overflow_claimed = 0;
+        return hep_fail(HEP_WARN_IGNORED,
+                        "%s: rank %d needs %d receive rows, more than config.max_recv_rows = %d "
+                        "(HEP_ASYNC): the rows at or past that position of each rank's receive "
+                        "order were dropped",
+                        call, over, need, g->cfg->max_recv_rows);
+    }
     if (d->overflow_claimed) {
         const int over = d->overflow_rank, need = d->overflow_rows;
         d->overflow_claimed = 0;
@@ -279,6 +292,7 @@ static void fill_result(hep_backend_ctx *g, hep_dispatch_result *o)
     if (k) {
         o->num_recv_device = k->recv_count;
         o->tokens_per_expert_device = k->tokens_per_expert;
+        o->overflow_device = k->ovf;
     }
 }
 
@@ -375,6 +389,7 @@ static int gpu_dispatch(hep_backend_ctx *g, const hep_dispatch_args *a, hep_disp
     em_setup(g, h, x, reuse, em);
     k->reuse = reuse;
     k->cap = g->cfg->max_recv_rows;
+    k->drop = k->cap && (a->flags & HEP_ASYNC) && !em; /* expert-major: all or nothing */
     k->rec_ids = h && !reuse ? h->d_ids : NULL;
     k->rec_w = h && !reuse ? h->d_w : NULL;
     k->t = a->num_tokens;
@@ -490,6 +505,7 @@ static int gpu_combine(hep_backend_ctx *g, const hep_combine_args *a, const hep_
                         "layout is combined from caller memory of [num_permuted_tokens, H] rows");
     use_layout(g, h);
     k->emajor = em;
+    k->cap = g->cfg->max_recv_rows; /* rows at or past it were dropped: not read */
     k->t = h ? h->t : g->last_t;
     if (h) {
         k->K = h->topk;
@@ -537,9 +553,10 @@ static int handle_device(const hep_backend_ctx *g, struct hep_handle *h)
     const size_t R = (size_t)g->R, El = (size_t)g->cfg->experts_per_rank;
     const size_t S = (size_t)g->cfg->dispatch_sms;
     /* rank-major: rows, meta, counts, ids, weights; expert-major: positions, bases, the
-     * blocks' counts, the words and padding ranges, then the int64 tokens per expert */
+     * blocks' counts, the words and padding ranges; the receive capacity's 3 words; then the
+     * int64 tokens per expert */
     const size_t ints = T * R + R + 2 + El + T * K + T * K + T * K + R * El + S * R * El +
-                        HEP_EM_WORDS + 2 * El;
+                        HEP_EM_WORDS + 2 * El + 3;
     const size_t ints8 = (ints + 1) & ~(size_t)1, bytes = ints8 * 4 + El * 8;
     int prev = -1;
     cudaError_t e = cudaGetDevice(&prev);
@@ -569,6 +586,7 @@ static int handle_device(const hep_backend_ctx *g, struct hep_handle *h)
     h->d_ebase = h->d_epos + T * K;
     h->d_ebc = h->d_ebase + R * El;
     h->d_em = h->d_ebc + S * R * El;
+    h->d_drop = h->d_em + HEP_EM_WORDS + 2 * El;
     h->d_tpe = (int64_t *)((int *)h->dev + ints8);
     return HEP_OK;
 }

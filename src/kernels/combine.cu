@@ -187,6 +187,8 @@ __device__ __forceinline__ void combine_row(const hep_kargs &a, const char *cons
     row_set rs;
     const int pos = lane < R ? a.dest_rows[((size_t)L * T + i) * R + lane] : -1;
     rs.row = pos >= 0 ? mybase + pos : -1;
+    if (a.cap && rs.row >= a.cap)
+        rs.row = -1; /* dropped at dispatch (HEP_ASYNC past the capacity): contributes 0 */
     rs.mask = __ballot_sync(FULL, rs.row >= 0);
     rs.npos = !WIDE && parts && lane < a.N && lane != a.node ? np[lane] : -1;
     rs.nmask = __ballot_sync(FULL, rs.npos >= 0);
@@ -252,7 +254,8 @@ __device__ void combine_probs(const hep_kargs &a, int gw, int nw)
         if (x >= 0) {
             const int d = x / El, ex = x % El;
             const int row = ld_l2(a.meta + d) + ld_l2(a.dest_rows + (size_t)i * a.R + d);
-            po[x] = __ldcg(a.prob[d] + (size_t)row * El + ex);
+            if (!a.cap || row < a.cap) /* a dropped row's stays 0 */
+                po[x] = __ldcg(a.prob[d] + (size_t)row * El + ex);
         }
         __syncwarp();
     }

@@ -58,9 +58,12 @@ __device__ __forceinline__ void push_row(const uint4 *src, bool slot, unsigned m
 }
 
 // One warp pushes token i of list L: its row, probabilities and scales at every destination.
+// A row at or past the receive capacity is not written (only a layout of HEP_ASYNC has
+// one); with `drop_cnt` (this rank's published counts of list L) each of its local experts
+// there is taken off the count, which the destination sums again after the arrivals.
 __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, int L, int i,
                                            int mybase, char *const *s_x, float *const *s_prob,
-                                           float *const *s_scale)
+                                           float *const *s_scale, int *drop_cnt)
 {
     const int R = a.R, El = a.El, lane = threadIdx.x & 31;
     const long long first = (long long)a.rank0 * El;
@@ -70,9 +73,11 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
     const int passes = (nvec + 32 * DU - 1) / (32 * DU);
     const int per_pass = ((nvec + passes - 1) / passes + 31) & ~31;
     const int pos = lane < R ? a.dest_rows[((size_t)L * T + i) * R + lane] : -1;
-    const int row = pos >= 0 ? mybase + pos : -1;
+    const bool dropped = pos >= 0 && a.cap && mybase + pos >= a.cap;
+    const int row = pos >= 0 && !dropped ? mybase + pos : -1;
     const unsigned mask = __ballot_sync(FULL, row >= 0);
-    if (!mask)
+    const unsigned dmask = __ballot_sync(FULL, dropped);
+    if (!mask && !dmask)
         return;
     const long long myid = lane < v.K ? list_id(a, v, i, lane) : -2;
     const float myw = lane < v.K ? list_w(a, v, i, lane) : 0.f;
@@ -89,6 +94,12 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
     }
     const int kd = here ? (int)((myid - first) / El) : -1;
     const int ke = here ? (int)((myid - first) % El) : 0;
+    if (dmask) { /* the scan counted each (destination, expert) of the token once */
+        if (drop_cnt && writer && ((dmask >> kd) & 1u))
+            atomicSub(drop_cnt + kd * (El + 1) + 1 + ke, 1);
+        if (!mask)
+            return;
+    }
     // the token's scales, loaded once: one 16-byte vector a lane where they fit
     const bool vec_scale = a.nscale % 4 == 0 && a.nscale <= 128 &&
                            ((uintptr_t)v.scl & 15) == 0 && ((uintptr_t)s_scale[0] & 15) == 0;
@@ -121,7 +132,7 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
 // of another block before that block made its positions rank-wide, which needs one more
 // grid barrier, and it gained nothing measurable for dispatch; bench/NOTES.md.)
 __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const *s_x,
-                          float *const *s_prob, float *const *s_scale)
+                          float *const *s_prob, float *const *s_scale, int *drop_cnt = NULL)
 {
     const int lane = threadIdx.x & 31;
     const int mybase = lane < a.R ? ld_l2(a.meta + L * a.R + lane) : 0;
@@ -133,7 +144,7 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
     warp_range(t0, t1, threadIdx.x >> 5, blockDim.x >> 5, w0, w1);
     for (int i = w0; i < w1; i++)
 #endif
-        push_token(a, v, L, i, mybase, s_x, s_prob, s_scale);
+        push_token(a, v, L, i, mybase, s_x, s_prob, s_scale, drop_cnt);
 }
 
 // The end of every block: it arrives at every destination; block 0 waits for every
@@ -150,6 +161,25 @@ __device__ __forceinline__ void arrive_all(const hep_kargs &a, unsigned long lon
     if (blockIdx.x == 0 && tid < R)
         wait_mate(a, a.flags[a.local] + HEP_FLAG_DISPATCH_ARRIVE + tid,
                   e * (unsigned long long)gridDim.x, HEP_STAGE_DISPATCH, tid);
+}
+
+// Block 0, after arrive_all, when this rank's rows went past the capacity with a.drop:
+// every source took its dropped rows' experts off its published counts before it arrived,
+// so their sum is now what was kept per local expert.
+__device__ void drop_recount(const hep_kargs &a, unsigned long long e, const layout_smem &s)
+{
+    const int R = a.R, El = a.El;
+    const size_t LW = (size_t)R * (El + 1), par = (size_t)(e & 1) * a.N * LW;
+    __syncthreads(); /* the arrivals that threads tid < R acquired, for every thread */
+    if (!a.drop || s.tot[a.local] <= a.cap)
+        return;
+    for (int j = threadIdx.x; j < El; j += blockDim.x) {
+        int c = 0;
+        for (int q = 0; q < R; q++)
+            c += ld_l2(a.counts[q] + par + (size_t)a.node * LW + (size_t)a.local * (El + 1) + 1 + j);
+        a.tokens_per_expert[j] = c;
+        a.host_counts[1 + j] = c;
+    }
 }
 
 // A caller handle records the routing for a later HEP_REUSE_LAYOUT dispatch and for the
@@ -260,7 +290,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
         return;
     }
     if (!over)
-        push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale);
+        push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale,
+                  a.drop ? mine + (size_t)a.node * R * (a.El + 1) : NULL);
     if (N > 1) {
         if (!wait_slots(a, a.slot_words + N, e, HEP_STAGE_NODE_DISPATCH))
             return;
@@ -279,6 +310,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
         }
     }
     arrive_all(a, e);
+    if (b == 0)
+        drop_recount(a, e, s);
 }
 
 extern "C" size_t hep_dispatch_smem(int R, int El)

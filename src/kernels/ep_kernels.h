@@ -22,7 +22,11 @@
  *    buffers this call writes). With a receive capacity (a.cap), block 0 knows every
  *    destination's rows from the counts: if one exceeds it, no block pushes any row
  *    (every rank decides the same from the same counts), the layout's overflow word is 1,
- *    and the diag record names the rank.
+ *    and the diag record names the rank. With a.drop (HEP_ASYNC) the layout
+ *    stands instead: rows whose position at a destination is at or past the capacity are
+ *    not written, their source takes each of their local experts off its published count
+ *    (before its arrival), and the destination, once every source arrived, sums the counts
+ *    again into its tokens per expert; the overflow words (a.ovf) say so.
  *  combine (S blocks), call c (combines have their own count, c = *cepoch + 1: a handle
  *    can be combined more than once, or two handles one after the other): the copy of the
  *    caller's expert outputs into X first waits until every node-mate finished combine
@@ -130,6 +134,8 @@ typedef struct hep_diag {
     int via_plus1;                /* 0, or 1 + the node-mate that had given up on `peer` */
     unsigned int overflow_claimed; /* a dispatch exceeded the receive capacity ... */
     int overflow_rank, overflow_rows; /* ... the first rank over it and the rows it needed */
+    int overflow_dropped;          /* ... 1: HEP_ASYNC, the rows past it were dropped (a
+                                      warning); 0: nothing was written (an error) */
 } hep_diag;
 
 typedef struct hep_kargs {
@@ -158,7 +164,11 @@ typedef struct hep_kargs {
      * tokens_per_expert and over point at the group's own layout buffers (the one-shot
      * handle) or at a caller handle's device memory */
     int reuse;                       /* 1: HEP_REUSE_LAYOUT (N = 1): no scan, the layout is there */
-    int cap;                         /* receive capacity in rows, or 0 (none) */
+    int cap;                         /* receive capacity in rows, or 0 (none); no row at or
+                                        past it is ever written, nor read by combine */
+    int drop;                        /* 1: HEP_ASYNC, rank-major: past the capacity the rows
+                                        at or past it are dropped instead of all of them */
+    int *ovf;                        /* device [3] hep_dispatch_result.overflow_device */
     int *rec_ids;                    /* NULL, or the handle's [t][K] routing: dispatch records it
                                         (ids not in 0..E-1 as -1), combine reads it (probs) */
     float *rec_w;                    /* dispatch, with rec_ids: the handle's [t][K] weights */

@@ -183,6 +183,8 @@ static __device__ bool layout_publish(const hep_kargs &a, unsigned long long e, 
     __syncthreads();
     // The receive capacity: every rank sees every destination's rows in the same counts,
     // so every rank takes the same decision; the first destination over it is named.
+    // Blocking: nothing is received anywhere. a.drop: the rows below it are (push_token
+    // drops the others; tokens per expert are summed again once the sources arrived).
     int over = -1;
     if (a.cap)
         for (int d = 0; d < R; d++)
@@ -190,19 +192,26 @@ static __device__ bool layout_publish(const hep_kargs &a, unsigned long long e, 
                 over = d;
                 break;
             }
+    const int need = s.tot[a.local];
     for (int j = tid; j <= El; j += blockDim.x) {
-        if (over >= 0)
+        if (over >= 0 && !a.drop)
             s.recv[j] = 0; /* nothing is received: a combine of it copies no row */
+        if (j == 0 && a.drop && need > a.cap)
+            s.recv[0] = a.cap;
         if (j == 0)
             *a.recv_count = s.recv[0];
         else
             a.tokens_per_expert[j - 1] = s.recv[j];
     }
     if (tid == 0) {
-        *a.over = over >= 0;
-        if (over >= 0) { /* host-mapped, on failure only */
+        *a.over = over >= 0 && !a.drop;
+        a.ovf[0] = over >= 0; /* every call writes them: graph replays see their own */
+        a.ovf[1] = need;
+        a.ovf[2] = a.cap && need > a.cap ? need - a.cap : 0;
+        if (over >= 0) { /* host-mapped, on an overflow only */
             a.diag->overflow_rank = a.rank0 + over;
             a.diag->overflow_rows = s.tot[over];
+            a.diag->overflow_dropped = a.drop;
             __threadfence_system();
             a.diag->overflow_claimed = 1u;
         }

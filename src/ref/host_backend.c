@@ -166,6 +166,14 @@ static void receive(hep_backend_ctx *g, const view *v, int i, int row, int *tpe)
     }
 }
 
+/* Row `row` of the receive order: received, or (at or past g->recv_limit: HEP_ASYNC past
+ * the capacity) dropped; its position still counts, so later rows keep theirs. */
+static void take(hep_backend_ctx *g, const view *v, int i, int row, int *tpe)
+{
+    if (!g->recv_limit || row < g->recv_limit)
+        receive(g, v, i, row, tpe);
+}
+
 static void own_view(hep_backend_ctx *g, int l, view *v)
 {
     const volatile uint64_t *m = mailbox_of(g, l);
@@ -626,8 +634,12 @@ static int stream_abort(hep_backend_ctx *g, int rc, const char *msg)
  * count blocks their slots sent ahead of the rows (tokens per local rank), then every
  * rank's count goes to every rank through the bootstrap's allgather. On an overflow every
  * rank returns HEP_ERR_OVERFLOW with the same message, before any row was sent or written;
- * the allgather also stands for the end-of-reading handshake of that case. */
-static int agree_capacity(hep_backend_ctx *g, uint64_t e)
+ * the allgather also stands for the end-of-reading handshake of that case. With `drop`
+ * (HEP_ASYNC, rank-major) an overflow is no failure: every rank keeps the rows below the
+ * capacity (g->recv_limit), `warn` (WARN_LEN bytes) gets the message, and h's drop_words
+ * say so. */
+#define WARN_LEN 256
+static int agree_capacity(hep_backend_ctx *g, uint64_t e, int drop, hep_handle *h, char *warn)
 {
     const long long cap = g->cfg->max_recv_rows;
     const int El = g->cfg->experts_per_rank;
@@ -668,6 +680,19 @@ static int agree_capacity(hep_backend_ctx *g, uint64_t e)
                 over = r;
             n_over++;
         }
+    h->drop_words[HEP_OVERFLOW_DROPPED] = over >= 0;
+    h->drop_words[HEP_OVERFLOW_NEEDED] = (int)need;
+    h->drop_words[HEP_OVERFLOW_ROWS] = need > cap ? (int)(need - cap) : 0;
+    if (over >= 0 && drop) {
+        g->recv_limit = (int)cap;
+        snprintf(warn, WARN_LEN,
+                 "dispatch: rank %d needs %lld receive rows, more than config.max_recv_rows = "
+                 "%lld (%d rank(s) over; HEP_ASYNC): the rows at or past that position of each "
+                 "rank's receive order were dropped",
+                 over, all[over], cap, n_over);
+        free(all);
+        return HEP_OK;
+    }
     if (over >= 0) {
         long long worst = all[over];
         free(all);
@@ -766,7 +791,7 @@ static int pull_step(hep_backend_ctx *g, uint64_t e, pull *c, int *tpe, int reco
             own_view(g, c->l, &v);
             for (; c->i < v.t; c->i++)
                 if (needs_rank(g, &v, c->i, g->rank))
-                    receive(g, &v, c->i, c->row++, tpe);
+                    take(g, &v, c->i, c->row++, tpe);
         } else {
             const int s = hep_slot_of(c->ns, g->node), q = c->i / g->plan->chunk;
             const uint64_t *fl = (const uint64_t *)mate_local(g, c->l, HEP_BUF_D_GROUP_FLAGS);
@@ -777,7 +802,7 @@ static int pull_step(hep_backend_ctx *g, uint64_t e, pull *c, int *tpe, int reco
             chunk_view(g, c->l, c->ns, q, c->t, &v);
             for (int k = 0; k < v.t; k++)
                 if (needs_rank(g, &v, k, g->rank))
-                    receive(g, &v, k, c->row++, tpe);
+                    take(g, &v, k, c->row++, tpe);
             if (record_slots && c->l == g->local) /* the routing a combine of mine reads */
                 memcpy(h->slot_ids + ((size_t)c->ns * T + (size_t)c->i) * kmax, v.ids,
                        sizeof(int) * (size_t)v.t * kmax);
@@ -940,7 +965,8 @@ static int dispatch_ex(hep_backend_ctx *g, const hep_dispatch_args *a0, hep_disp
     uint64_t *mb = mailbox_of(g, g->local), e = g->epoch + 1;
     int *host_counts = (int *)hep_be_buf(g, HEP_BUF_HOST_COUNTS);
     int *base = (int *)hep_be_buf(g, HEP_BUF_HANDLE_META); /* my row base per source rank */
-    int row = 0, rc, tok = 0, slot = 0, bad;
+    int row = 0, kept, rc, tok = 0, slot = 0, bad;
+    char warn[WARN_LEN] = "";
     long long val = 0;
     size_t copied = 0;
     hep_dispatch_args b;
@@ -989,8 +1015,13 @@ static int dispatch_ex(hep_backend_ctx *g, const hep_dispatch_args *a0, hep_disp
         rc = wait_mates(g, HEP_FLAG_COUNTS_READY, e, "its routing to be published");
     if (rc == HEP_OK && g->N > 1)
         rc = wait_counts(g, e, rp);
+    g->recv_limit = 0;
+    h->drop_words[HEP_OVERFLOW_DROPPED] = h->drop_words[HEP_OVERFLOW_ROWS] = 0;
     if (rc == HEP_OK && g->cfg->max_recv_rows)
-        rc = agree_capacity(g, e);
+        rc = agree_capacity(g, e, /* a reuse overflows only with a layout that dropped */
+                            ((a->flags & HEP_ASYNC) || reuse) &&
+                                h->layout == HEP_LAYOUT_RANK_MAJOR,
+                            h, warn);
     if (rc == HEP_OK && h->layout == HEP_LAYOUT_EXPERT_MAJOR) {
         g->row_experts = malloc(sizeof(int) * (g->plan->max_recv_rows ? g->plan->max_recv_rows : 1) *
                                 (size_t)g->cfg->max_topk);
@@ -1017,8 +1048,11 @@ static int dispatch_ex(hep_backend_ctx *g, const hep_dispatch_args *a0, hep_disp
         g->row_experts = NULL;
         return rc;
     }
-    host_counts[0] = row;
-    base[W] = row;
+    kept = g->recv_limit && row > g->recv_limit ? g->recv_limit : row;
+    g->recv_limit = 0;
+    h->drop_words[HEP_OVERFLOW_NEEDED] = row;
+    host_counts[0] = kept;
+    base[W] = kept;
     own_view(g, g->local, &mine);
     bad = first_invalid(g, &mine, &tok, &slot, &val);
     record_ids(g, &mine);
@@ -1029,11 +1063,11 @@ static int dispatch_ex(hep_backend_ctx *g, const hep_dispatch_args *a0, hep_disp
         free(g->row_experts);
         g->row_experts = NULL;
     } else {
-        copied = copy_out(g, row, x);
+        copied = copy_out(g, kept, x);
     }
     if (!reuse) {
         h->epoch = 0; /* until recorded below */
-        record(g, h, a, e, row);
+        record(g, h, a, e, kept);
     }
     /* nobody may return (and free its inputs) while another still reads them; a rank that
      * failed above (out of memory) still arrives, so that its node-mates finish */
@@ -1048,16 +1082,17 @@ static int dispatch_ex(hep_backend_ctx *g, const hep_dispatch_args *a0, hep_disp
         return rc;
     g->epoch = e;
     g->last_t = a->num_tokens;
-    g->last_recv = row;
+    g->last_recv = kept;
     g->last_handle = 0; /* the one-shot value: set by host_dispatch */
     g->copy_bytes += copied;
     hep_fill_dispatch_result(g, o);
     o->num_recv_device = host_counts;
     o->tokens_per_expert_device = host_counts + 1;
     /* as documented for HEP_ASYNC (and as the GPU path does): counts only in the buffers */
-    o->num_recv = a->flags & HEP_ASYNC ? -1 : row;
+    o->num_recv = a->flags & HEP_ASYNC ? -1 : kept;
+    o->overflow_device = h->drop_words;
     x->copy_bytes = copied;
-    x->num_permuted = h->layout == HEP_LAYOUT_EXPERT_MAJOR ? h->num_permuted : row;
+    x->num_permuted = h->layout == HEP_LAYOUT_EXPERT_MAJOR ? h->num_permuted : kept;
     x->overflow = h->layout == HEP_LAYOUT_EXPERT_MAJOR ? h->overflow : 0;
     x->overflow_rows = h->layout == HEP_LAYOUT_EXPERT_MAJOR ? h->overflow_rows : 0;
     x->tokens_per_expert = h->layout == HEP_LAYOUT_EXPERT_MAJOR ? h->tpe : NULL;
@@ -1071,6 +1106,9 @@ static int dispatch_ex(hep_backend_ctx *g, const hep_dispatch_args *a0, hep_disp
         o->probs = x->recv_probs;
     if (x->recv_scales && o->scales)
         o->scales = x->recv_scales;
+    if (warn[0] && !reuse) /* rows were dropped: the dispatch happened (a reuse of that
+                              layout drops the same rows, as on the GPU, without a word) */
+        return hep_fail(HEP_WARN_IGNORED, "%s", warn);
     if (bad && !reuse) /* the dispatch happened: the caller must go on to combine */
         return hep_fail(HEP_WARN_IGNORED,
                         "dispatch on rank %d: topk_idx[%d][%d] = %lld is not -1 or an expert id "
@@ -1136,6 +1174,8 @@ static void add_node_share(hep_backend_ctx *g, const view *v, int i, int src, co
         n = local_experts(g, v, i, d, es);
         if (!mh || mh->layout != HEP_LAYOUT_EXPERT_MAJOR) {
             size_t j = (size_t)(mbase[src] + c->next[l]++);
+            if (j >= g->plan->max_recv_rows)
+                continue; /* dropped at dispatch (HEP_ASYNC past the capacity): nothing */
             x = rows + j * (size_t)H;
             for (int ch = 0; ch < H; ch++)
                 acc[ch] += bf16_f32(x[ch]);
