@@ -703,11 +703,14 @@ static int run_rank(rank_ctx *x)
             FAIL("rank %d: begin capture", r);
         xo = opts_case(c, &b, hA, 0, 0);
         da = dargs(c, r, &b, 0, 0, st, HEP_ASYNC);
+        char derr[160];
         rc = hep_dispatch_ex(g, &da, &xo, &dr);
+        snprintf(derr, sizeof(derr), "%s", rc ? hep_last_error() : "");
         crc = do_combine(g, hA, &b, 0, st, HEP_ASYNC);
         if (cudaStreamEndCapture(st, &graph) != cudaSuccess || (rc && rc != HEP_WARN_IGNORED) ||
             crc || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
-            FAIL("rank %d: capture: %d %d %s", r, rc, crc, hep_last_error());
+            FAIL("rank %d: capture: dispatch %d (%s), combine %d (%s)", r, rc, derr, crc,
+                 crc ? hep_last_error() : "");
         for (int rep = 0; rep < c->graph_replays; rep++) {
             struct rout *h = &c->out[0][r];
             hep_dispatch_result rr = dr;
