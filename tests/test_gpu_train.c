@@ -513,6 +513,10 @@ static int drop_sequence(tcase *c, rank_ctx *x, hep_group *g, hep_handle *hA, he
         if (cudaStreamEndCapture(st, &graph) != cudaSuccess || rc || crc ||
             cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
             FAIL("rank %d: capture: %d %d %s", r, rc, crc, hep_last_error());
+        /* every rank ended its capture before any rank synchronizes the device (the poison
+         * below): a device-wide synchronization while another thread still captures fails
+         * there and invalidates that capture (seen once in five runs on the H200) */
+        x->bs.barrier(x->bs.ctx);
         for (int rep = 0; rep < c->graph_replays; rep++) {
             hep_dispatch_result rr = dr;
             const size_t rows = (size_t)c->cap;
@@ -711,6 +715,7 @@ static int run_rank(rank_ctx *x)
             crc || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
             FAIL("rank %d: capture: dispatch %d (%s), combine %d (%s)", r, rc, derr, crc,
                  crc ? hep_last_error() : "");
+        x->bs.barrier(x->bs.ctx); /* every rank ended its capture: as above */
         for (int rep = 0; rep < c->graph_replays; rep++) {
             struct rout *h = &c->out[0][r];
             hep_dispatch_result rr = dr;
