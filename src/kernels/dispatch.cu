@@ -72,15 +72,22 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
     /* equal passes: a 14 KB row is two passes of 448 vectors, not 512 + 384 */
     const int passes = (nvec + 32 * DU - 1) / (32 * DU);
     const int per_pass = ((nvec + passes - 1) / passes + 31) & ~31;
+    // the token's positions, slots, weights and scales are loaded together, before any of
+    // them is used: one memory round trip ahead of the row's loads, not three in a row
     const int pos = lane < R ? a.dest_rows[((size_t)L * T + i) * R + lane] : -1;
+    const long long myid = lane < v.K ? list_id(a, v, i, lane) : -2;
+    const float myw = lane < v.K ? list_w(a, v, i, lane) : 0.f;
+    const bool vec_scale = a.nscale % 4 == 0 && a.nscale <= 128 &&
+                           ((uintptr_t)v.scl & 15) == 0 && ((uintptr_t)s_scale[0] & 15) == 0;
+    float4 sc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (vec_scale && lane < a.nscale / 4) /* one 16-byte vector a lane where they fit */
+        sc = ((const float4 *)(v.scl + (size_t)i * a.nscale))[lane];
     const bool dropped = pos >= 0 && a.cap && mybase + pos >= a.cap;
     const int row = pos >= 0 && !dropped ? mybase + pos : -1;
     const unsigned mask = __ballot_sync(FULL, row >= 0);
     const unsigned dmask = __ballot_sync(FULL, dropped);
     if (!mask && !dmask)
         return;
-    const long long myid = lane < v.K ? list_id(a, v, i, lane) : -2;
-    const float myw = lane < v.K ? list_w(a, v, i, lane) : 0.f;
     // once per token, lane k: slot k's expert at this node and its probability, summed
     // over the slots of the same expert (in slot order); the first such slot writes it
     const bool here = myid >= first && myid < first + (long long)R * El;
@@ -100,12 +107,6 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
         if (!mask)
             return;
     }
-    // the token's scales, loaded once: one 16-byte vector a lane where they fit
-    const bool vec_scale = a.nscale % 4 == 0 && a.nscale <= 128 &&
-                           ((uintptr_t)v.scl & 15) == 0 && ((uintptr_t)s_scale[0] & 15) == 0;
-    float4 sc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (vec_scale && lane < a.nscale / 4)
-        sc = ((const float4 *)(v.scl + (size_t)i * a.nscale))[lane];
     push_row((const uint4 *)(v.tok + (size_t)i * rb), v.slot, mask, lane, row, s_x, rb, nvec,
              per_pass);
     for (unsigned m = mask; m; m &= m - 1) {
