@@ -89,10 +89,10 @@ def _expert(d, rows, tpe):
     return (rows.float() * scale[:, None] + 0.5).to(torch.bfloat16)
 
 
-def _case(rank, world, tr, pad, budget, seed):
+def _case(rank, world, tr, pad, budget, seed, ranks_per_node=None):
     """One dispatch_with_permute + combine_with_unpermute (with probabilities) against the
     plain-torch reference; returns the rank's overflow flag."""
-    buf = hybridep.Buffer(tr, H, T, EL, backend="host", max_topk=K)
+    buf = hybridep.Buffer(tr, H, T, EL, backend="host", max_topk=K, ranks_per_node=ranks_per_node)
     try:
         E = EL * world
         all_in = [ref.inputs(seed, r, T, H, E, K) for r in range(world)]
@@ -118,15 +118,24 @@ def _case(rank, world, tr, pad, budget, seed):
         t = hidden.shape[0]
         ey = torch.zeros((t, H))
         ep = torch.zeros((t, E))
+        # the documented order: one node, ascending destination then local expert in f32;
+        # across nodes the own node's rows so, then each other node's sum (the same order
+        # within it) rounded to BF16, in node order
+        rpn = ranks_per_node or world
+        me = rank // rpn
         for i in range(t):
             acc = torch.full((H,), -0.0)
-            for d in range(world):
-                for e in range(EL):
-                    p = wheres[d].get((rank, i, e))
-                    if p is not None:
-                        acc = acc + outs[d][p].float()
-                        epr_d = expected_permute(all_in, d, pad, b)[1]
-                        ep[i, d * EL + e] = epr_d[p] * 10 + d
+            for node in [me] + [n for n in range(world // rpn) if n != me]:
+                part = torch.full((H,), -0.0)
+                for d in range(node * rpn, (node + 1) * rpn):
+                    for e in range(EL):
+                        p = wheres[d].get((rank, i, e))
+                        if p is not None:
+                            part = part + outs[d][p].float()
+                            epr_d = expected_permute(all_in, d, pad, b)[1]
+                            ep[i, d * EL + e] = epr_d[p] * 10 + d
+                # (a node with no row adds -0.0: nothing)
+                acc = acc + (part if node == me else part.to(torch.bfloat16).float())
             ey[i] = acc
         assert torch.equal(y, ey.to(torch.bfloat16)), "combined tokens differ"
         assert torch.allclose(pout, ep), "probabilities through combine differ"
@@ -138,6 +147,13 @@ def _case(rank, world, tr, pad, budget, seed):
 @pytest.mark.parametrize("pad", [1, 16])
 def test_expert_major_rows_and_combine_match_plain_torch(pad):
     run_threads(lambda r, w, tr: _case(r, w, tr, pad, None, 61 + pad), 3)
+
+
+@pytest.mark.parametrize("pad", [1, 16])
+def test_expert_major_across_virtual_nodes_matches_plain_torch(pad):
+    """2 nodes x 2 ranks as threads (the host backend's inter-node rings over the loopback
+    NIC): the same rows, counts, sums and probabilities as plain torch."""
+    run_threads(lambda r, w, tr: _case(r, w, tr, pad, None, 81 + pad, ranks_per_node=2), 4)
 
 
 def test_a_small_row_budget_drops_the_highest_experts_rows_and_says_so():
