@@ -2,10 +2,12 @@
 # The GPU backend with one process per rank under mpirun, on the GPU machine: builds
 # libhybridep_mpi and tests/test_gpu_mpi.c there with the machine's own mpicc (against the
 # carried .gpu/lib/libhybridep.so.0.1: the MPI of the build machine may not match), then
-#   with MPS:    correct (GPU vs host backend, element by element), bench (phase medians,
+#   with MPS:    correct (GPU vs host backend, element by element), permute (the
+#                expert-major layout through the group's staging, against the host
+#                backend), bench (phase medians,
 #                beside `hybridep bench`'s in-process figures), missing (a rank that never
 #                calls dispatch is named by every other), nodes (2 x 4 across processes)
-#   without MPS: correct and missing again: co-dependent kernels of different processes
+#   without MPS: correct, permute and missing again: co-dependent kernels of different processes
 #                time-slice, so each run must end, passing or with a HEP_ERR_TIMEOUT naming
 #                a rank; a run killed by `timeout` is a HUNG, the one unacceptable end.
 # MPS is stopped on every exit (trap). Full logs in $OUT/mpi_*.txt; a table at the end.
@@ -89,6 +91,7 @@ mrun() {
 
 if mps_start "$B/hybridep" doctor; then
     mrun "mps correct" 300 pass HEP_TIMEOUT_MS=${MPI_TIMEOUT_MS:-20000} -- correct
+    mrun "mps permute" 300 pass HEP_TIMEOUT_MS=${MPI_TIMEOUT_MS:-20000} -- permute
     mrun "mps bench" 300 pass HEP_TIMEOUT_MS=${MPI_TIMEOUT_MS:-20000} -- bench
     mrun "mps missing rank" 120 pass HEP_TIMEOUT_MS=3000 -- missing
     mrun "mps 2 x 4 nodes" 120 pass HEP_TIMEOUT_MS=${MPI_TIMEOUT_MS:-20000} -- nodes
@@ -115,6 +118,7 @@ if [ -x "$B/hybridep" ]; then
 fi
 if [ "${MPI_MPS_ONLY:-0}" != 1 ]; then
     mrun "no MPS correct" 400 pass-or-named-timeout HEP_TIMEOUT_MS=${MPI_TIMEOUT_MS:-20000} -- correct
+    mrun "no MPS permute" 400 pass-or-named-timeout HEP_TIMEOUT_MS=${MPI_TIMEOUT_MS:-20000} -- permute
     mrun "no MPS missing rank" 200 pass-or-named-timeout HEP_TIMEOUT_MS=10000 -- missing
 fi
 summary

@@ -72,6 +72,19 @@ sys.exit(0 if d["max_recv_rows"] == 62880 and b["exchange.token"]["count"] == 62
          and d["capacity_advice"]["device_bytes_worst_case"] == 4596695040 else 1)' &&
     "$H" plan --nodes 8 --ranks-per-node 8 --hidden 7168 --tokens 4096 --experts-per-rank 4 --topk 8 \
     --max-recv-rows 62880 | grep -q "with the worst case instead (max_recv_rows = 0): 4596695040 bytes"; }
+# issues 13/14: --max-permuted-rows plans the expert-major staging (GPU plan only)
+plan_max_permuted_rows_plans_the_staging() { "$H" plan --nodes 1 --ranks-per-node 8 --hidden 1024 --tokens 64 \
+    --experts-per-rank 4 --topk 4 --dtype fp8 --max-permuted-rows 3000 --json | python3 -c '
+import json, sys
+d = json.load(sys.stdin)
+b = {x["name"]: x for x in d["buffers"]}
+sys.exit(0 if d["max_permuted_rows"] == 3000 and b["expert_major.token"]["bytes"] == 3000 * 1024 * 2
+         and b["expert_major.prob"]["count"] == 3000 and b["expert_major.scaling_factor"]["count"] == 3000 * 8
+         and b["expert_major.token"]["memory"] == "device, IPC-shared" else 1)' &&
+    "$H" plan --nodes 1 --ranks-per-node 8 --hidden 1024 --tokens 64 --experts-per-rank 4 --topk 4 \
+    --max-permuted-rows 3000 | grep -q "expert-major staging per rank: 3000 rows" &&
+    ! "$H" plan --nodes 1 --ranks-per-node 8 --hidden 1024 --tokens 64 --experts-per-rank 4 --topk 4 \
+    | grep -q "expert_major"; }
 plan_rejects_capacity_above_worst_case() { fails_with 1 "config.max_recv_rows = 65537 is out of range 0..65536" \
     "$H" plan --nodes 2 --ranks-per-node 8 --tokens 4096 --max-recv-rows 65537; }
 plan_json() { "$H" plan --nodes 2 --ranks-per-node 4 --dtype fp8 --json |
@@ -148,7 +161,7 @@ bench_sweep_rejects_bad_list() { fails_with 2 "--sweep-sms 0 is out of range (al
 
 for t in plan_ep64 plan_accepts_opt_equals_value plan_ep64_capacity_advice \
     plan_text_prints_capacity_advice plan_capacity_advice_all_tokens \
-    plan_max_recv_rows_sizes_the_receive_buffers plan_rejects_capacity_above_worst_case plan_json plan_rejects_fp8_hidden \
+    plan_max_recv_rows_sizes_the_receive_buffers plan_max_permuted_rows_plans_the_staging plan_rejects_capacity_above_worst_case plan_json plan_rejects_fp8_hidden \
     plan_gpu_128_nodes_of_8_ranks plan_gpu_rejects_129_nodes \
     plan_help_lists_defaults_and_env bench_help_lists_defaults version_names_the_library \
     unknown_argument_exits_2 unknown_command_exits_2 doctor_text_exits_0 doctor_prints_the_version \

@@ -12,6 +12,15 @@
  *                          processes of a host share) at the bench's default shape
  *   test_gpu_mpi missing   the last rank never calls dispatch: every other rank returns
  *                          HEP_ERR_TIMEOUT naming it within 3 x HEP_TIMEOUT_MS
+ *   test_gpu_mpi permute   the expert-major layout (hep_dispatch_ex / hep_combine_ex, a
+ *                          caller handle; across processes through the group's staging,
+ *                          config.max_permuted_rows) equal to the host backend's: rows,
+ *                          probabilities, FP8 scales, padded tokens per expert, the
+ *                          overflow words, combined tokens and probabilities through
+ *                          combine bit for bit; pad 1 / 128, BF16 / FP8, a budget that
+ *                          drops rows (HEP_ASYNC), a reused layout, combines in another
+ *                          order and twice; and (GPU) the refusals without / above
+ *                          max_permuted_rows. Names the rank and the first differing row.
  *   test_gpu_mpi nodes     W / 2 ranks per node (two virtual nodes across processes): runs
  *                          the inter-node path where a verbs NIC serves them, else checks
  *                          the refusal (HEP_ERR_UNAVAILABLE naming the loopback NIC)
@@ -668,6 +677,360 @@ static int mode_nodes(const hep_bootstrap *bs)
     return failures;
 }
 
+/* ------------------------------------------------------------------ mode permute
+ * The expert-major layout (hep_dispatch_ex / hep_combine_ex with a caller handle) on the
+ * GPU with one process per rank (through the group's staging, config.max_permuted_rows)
+ * against the host backend on the same processes, element by element. */
+typedef struct em_out {
+    int rc, num_permuted, overflow, overflow_rows;
+    int64_t tpe[1024];
+    unsigned char *tok; /* [num_permuted] rows */
+    float *prob, *scale;
+} em_out;
+
+static void free_em(em_out *o)
+{
+    free(o->tok), free(o->prob), free(o->scale);
+    memset(o, 0, sizeof(*o));
+}
+
+static int refusal_expected; /* permute_refusals: a dispatch that fails is the check */
+
+static void *dpoisoned(size_t n)
+{
+    void *d = dalloc(n);
+    unsigned char *p = malloc(n + 16);
+    memset(p, 0xff, n);
+    dcopy(d, p, n);
+    free(p);
+    return d;
+}
+
+/* One expert-major dispatch on g (gpu: device copies of the inputs) recording into (or,
+ * reuse, dispatching again with) handle h; the outputs copied back into *o. */
+static void em_dispatch(hep_group *g, int gpu, const hep_config *c, const inputs *in,
+                        unsigned flags, hep_handle *h, int reuse, int pad, int budget, em_out *o)
+{
+    const int H = c->hidden, El = c->experts_per_rank, ns = H / 128;
+    const size_t rb = (size_t)H * (in->fp8 ? 1 : 2), t = (size_t)in->t, K = (size_t)in->K;
+    const size_t B = (size_t)budget;
+    void *dtok = NULL, *didx = NULL, *dw = NULL, *dsc = NULL;
+    hep_dispatch_args da;
+    hep_dispatch_opts xo;
+    hep_dispatch_result dr;
+    memset(o, 0, sizeof(*o));
+    memset(&da, 0, sizeof(da));
+    memset(&xo, 0, sizeof(xo));
+    da.num_tokens = in->t;
+    da.topk = reuse ? 0 : in->K;
+    da.index_type = in->index64 ? HEP_INDEX_INT64 : HEP_INDEX_INT32;
+    da.flags = flags | (reuse ? HEP_REUSE_LAYOUT : 0u);
+    if (gpu) {
+        dtok = dalloc(rb * t + 16), didx = dalloc(t * K * 8 + 16), dw = dalloc(t * K * 4 + 16);
+        dsc = dalloc(t * (size_t)ns * 4 + 16);
+        dcopy(dtok, in->tokens, rb * t);
+        dcopy(didx, in->idx, t * K * (in->index64 ? 8 : 4));
+        dcopy(dw, in->weights, t * K * 4);
+        if (in->fp8)
+            dcopy(dsc, in->scales, t * (size_t)ns * 4);
+        da.stream = stream;
+    } else {
+        dtok = in->tokens, didx = in->idx, dw = in->weights, dsc = in->scales;
+    }
+    da.tokens = dtok;
+    da.topk_idx = reuse ? NULL : didx;
+    da.topk_weights = reuse ? NULL : dw;
+    da.scales = in->fp8 ? dsc : NULL;
+    xo.handle = h;
+    xo.layout = HEP_LAYOUT_EXPERT_MAJOR;
+    xo.pad_multiple = pad;
+    xo.num_permuted_tokens = budget;
+    xo.recv_tokens = gpu ? dpoisoned(rb * B) : malloc(rb * B + 16);
+    xo.recv_probs = gpu ? dpoisoned(4 * B) : malloc(4 * B + 16);
+    xo.recv_scales = gpu ? dpoisoned(4 * B * (size_t)ns + 16) : malloc(4 * B * (size_t)ns + 16);
+    o->rc = hep_dispatch_ex(g, &da, &xo, &dr);
+    CHECK(o->rc == HEP_OK || refusal_expected, "%s expert-major dispatch: %s",
+          gpu ? "GPU" : "host", hep_last_error());
+    if (o->rc == HEP_OK) {
+        if (flags & HEP_ASYNC) {
+            int w[3];
+            dsync();
+            CHECK(hep_group_sync(g, stream) == HEP_OK, "hep_group_sync: %s", hep_last_error());
+            CHECK(!gpu || host_only || xo.num_permuted == -1,
+                  "an asynchronous GPU dispatch returned num_permuted %d", xo.num_permuted);
+            dcopy(w, xo.permuted_device, sizeof(w));
+            dcopy(o->tpe, xo.tokens_per_expert_device, sizeof(int64_t) * (size_t)El);
+            o->num_permuted = w[0], o->overflow = w[1], o->overflow_rows = w[2];
+        } else {
+            o->num_permuted = xo.num_permuted, o->overflow = xo.overflow;
+            o->overflow_rows = xo.overflow_rows;
+            memcpy(o->tpe, xo.tokens_per_expert, sizeof(int64_t) * (size_t)El);
+            CHECK(xo.copy_bytes == (size_t)xo.num_permuted * (rb + 4 + (in->fp8 ? 4u * ns : 0u)),
+                  "copy_bytes %zu for %d rows", xo.copy_bytes, xo.num_permuted);
+        }
+        const size_t n = o->num_permuted > 0 ? (size_t)o->num_permuted : 0;
+        o->tok = malloc(rb * n + 16), o->prob = malloc(4 * n + 16);
+        o->scale = calloc((size_t)ns * n + 4, 4);
+        dcopy(o->tok, xo.recv_tokens, rb * n);
+        dcopy(o->prob, xo.recv_probs, 4 * n);
+        if (in->fp8)
+            dcopy(o->scale, xo.recv_scales, 4 * (size_t)ns * n);
+    }
+    if (gpu) {
+        dfree(dtok), dfree(didx), dfree(dw), dfree(dsc);
+        dfree(xo.recv_tokens), dfree(xo.recv_probs), dfree(xo.recv_scales);
+    } else {
+        free(xo.recv_tokens), free(xo.recv_probs), free(xo.recv_scales);
+    }
+}
+
+/* The GPU's expert-major outputs against the host's, naming the first differing row. */
+static int em_compare(const char *name, const hep_config *c, const inputs *in, const em_out *g,
+                      const em_out *h)
+{
+    const int El = c->experts_per_rank, ns = c->hidden / 128;
+    const size_t rb = (size_t)c->hidden * (in->fp8 ? 1 : 2);
+    if (g->rc || h->rc)
+        return 1;
+    if (g->num_permuted != h->num_permuted || g->overflow != h->overflow ||
+        g->overflow_rows != h->overflow_rows) {
+        fprintf(stderr, "rank %d: %s: GPU num_permuted %d overflow %d overflow_rows %d, host %d "
+                "%d %d\n", rank, name, g->num_permuted, g->overflow, g->overflow_rows,
+                h->num_permuted, h->overflow, h->overflow_rows);
+        return 1;
+    }
+    for (int e = 0; e < El; e++)
+        if (g->tpe[e] != h->tpe[e]) {
+            fprintf(stderr, "rank %d: %s: tokens_per_expert[%d] GPU %lld host %lld\n", rank, name,
+                    e, (long long)g->tpe[e], (long long)h->tpe[e]);
+            return 1;
+        }
+    for (size_t j = 0; j < (size_t)g->num_permuted; j++) {
+        const char *what = memcmp(g->tok + j * rb, h->tok + j * rb, rb) ? "row"
+                           : memcmp(g->prob + j, h->prob + j, 4) ? "probability"
+                           : in->fp8 && memcmp(g->scale + j * (size_t)ns, h->scale + j * (size_t)ns,
+                                               4 * (size_t)ns) ? "FP8 scales" : NULL;
+        if (what) {
+            fprintf(stderr, "rank %d: %s: expert-major row %zu of %d differs first (%s; GPU "
+                    "prob %g host %g)\n", rank, name, j, g->num_permuted, what, g->prob[j], h->prob[j]);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* One combine of handle h with probabilities: expert outputs of `rows` rows (seed), probs_in
+ * a value a row; *out [t, H] and *pout [t, E] back on the host. */
+static int em_combine(hep_group *g, int gpu, const hep_config *c, const hep_handle *h, int t,
+                      int rows, int budget, unsigned seed, unsigned flags, uint16_t *out, float *pout)
+{
+    const int H = c->hidden, E = c->experts_per_rank * world;
+    const size_t B = (size_t)budget;
+    uint16_t *x = calloc(B * (size_t)H + 8, 2);
+    float *pin = calloc(B + 4, 4);
+    void *dx, *dp, *dout, *dpo;
+    hep_combine_args ca;
+    hep_combine_opts co;
+    int rc;
+    for (int j = 0; j < rows; j++) {
+        for (int q = 0; q < H; q++)
+            x[(size_t)j * H + q] = expert_value(j, q, seed);
+        pin[j] = (float)(rank * 1000 + j) / 7.0f + (float)seed;
+    }
+    if (gpu) {
+        dx = dalloc(B * (size_t)H * 2), dp = dalloc(B * 4);
+        dcopy(dx, x, B * (size_t)H * 2);
+        dcopy(dp, pin, B * 4);
+        dout = dpoisoned((size_t)t * H * 2 + 16), dpo = dpoisoned((size_t)t * E * 4 + 16);
+    } else {
+        dx = x, dp = pin, dout = out, dpo = pout;
+        memset(out, 0xff, (size_t)t * H * 2), memset(pout, 0xff, (size_t)t * E * 4);
+    }
+    memset(&ca, 0, sizeof(ca));
+    memset(&co, 0, sizeof(co));
+    ca.expert_out = dx, ca.out = dout, ca.stream = gpu ? stream : NULL, ca.flags = flags;
+    co.handle = h, co.probs_in = dp, co.probs_out = dpo;
+    rc = hep_combine_ex(g, &ca, &co);
+    CHECK(rc == HEP_OK, "%s expert-major combine: %s", gpu ? "GPU" : "host", hep_last_error());
+    if (rc == HEP_OK && (flags & HEP_ASYNC)) {
+        dsync();
+        CHECK((rc = hep_group_sync(g, stream)) == HEP_OK, "hep_group_sync: %s", hep_last_error());
+    }
+    if (gpu) {
+        if (rc == HEP_OK) {
+            /* the caller may reuse its inputs once the call returned (staged: copied) */
+            dcopy(out, dout, (size_t)t * H * 2);
+            dcopy(pout, dpo, (size_t)t * E * 4);
+        }
+        dfree(dx), dfree(dp), dfree(dout), dfree(dpo);
+    }
+    free(x), free(pin);
+    return rc;
+}
+
+static int combine_compare(const char *name, const hep_config *c, int t, const uint16_t *go,
+                           const float *gp, const uint16_t *ho, const float *hp)
+{
+    const int H = c->hidden, E = c->experts_per_rank * world;
+    for (int i = 0; i < t; i++) {
+        for (int q = 0; q < H; q++)
+            if (go[(size_t)i * H + q] != ho[(size_t)i * H + q]) {
+                fprintf(stderr, "rank %d: %s: combined token %d channel %d: GPU 0x%04x host "
+                        "0x%04x\n", rank, name, i, q, go[(size_t)i * H + q], ho[(size_t)i * H + q]);
+                return 1;
+            }
+        if (memcmp(gp + (size_t)i * E, hp + (size_t)i * E, 4 * (size_t)E)) {
+            fprintf(stderr, "rank %d: %s: probs_out of token %d differ\n", rank, name, i);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* The tokens of `in` changed in their lowest bits (no NaN made), for a reused layout. */
+static void perturb_tokens(inputs *in)
+{
+    const size_t rb = (size_t)in->H * (in->fp8 ? 1 : 2);
+    for (size_t b = 0; b < rb * (size_t)in->t; b += in->fp8 ? 1 : 2) {
+        unsigned char v = in->tokens[b] ^ 1u;
+        if (!in->fp8 || (v & 0x7f) != 0x7f)
+            in->tokens[b] = v;
+    }
+}
+
+/* A case: dispatch A (ragged, the budget that never overflows), dispatch B (HEP_ASYNC, a
+ * budget that drops rows), A's layout again (HEP_REUSE_LAYOUT, other tokens), then
+ * combines with probabilities of B, of A, and of A once more (any order, more than once). */
+static void case_permute(const char *name, int H, int T, int El, int K, int fp8, int index64,
+                         int pad, const hep_bootstrap *bs)
+{
+    hep_config ch, cg;
+    hep_group *gh = NULL, *gg = NULL;
+    hep_handle *hh[2] = {NULL, NULL}, *hg[2] = {NULL, NULL};
+    inputs in[2];
+    em_out oh, og;
+    int rc, bad = 0, total = 0, over = 0, overs = 0, dev = device_of_rank();
+    const int full = (world * T * (K < El ? K : El) + El * (pad - 1) + pad - 1) / pad * pad;
+    const int drop = ((world * T * (K < El ? K : El)) / (4 * world) + pad - 1) / pad * pad;
+    const int budget[2] = {full, drop};
+    double t0 = now_s();
+    config(&ch, H, T, El, K, fp8, HEP_BACKEND_HOST, 0);
+    config(&cg, H, T, El, K, fp8, gpu_backend(), 0);
+    cg.max_permuted_rows = full;
+    rc = hep_group_create(&ch, bs, dev, &gh);
+    CHECK(rc == HEP_OK, "%s: host group: %s", name, hep_last_error());
+    rc = rc ? rc : hep_group_create(&cg, bs, dev, &gg);
+    CHECK(rc == HEP_OK, "%s: GPU group: %s", name, hep_last_error());
+    for (int q = 0; rc == HEP_OK && q < 2; q++) {
+        rc = hep_handle_create(gh, &hh[q]);
+        rc = rc ? rc : hep_handle_create(gg, &hg[q]);
+        CHECK(rc == HEP_OK, "hep_handle_create: %s", hep_last_error());
+    }
+    for (int q = 0; q < 2; q++)
+        make_inputs(&in[q], &cg, K, index64, 1, 0, 7000u * (unsigned)H + (unsigned)(pad + q));
+    for (int q = 0; rc == HEP_OK && q < 3; q++) { /* A, B, A reused */
+        char step[300];
+        const int x = q == 1;
+        snprintf(step, sizeof(step), "%s, dispatch %s", name,
+                 q == 0 ? "A" : q == 1 ? "B (HEP_ASYNC, rows dropped)" : "A again (HEP_REUSE_LAYOUT)");
+        if (q == 2)
+            perturb_tokens(&in[0]);
+        em_dispatch(gh, 0, &ch, &in[x], x ? HEP_ASYNC : 0u, hh[x], q == 2, pad, budget[x], &oh);
+        em_dispatch(gg, 1, &cg, &in[x], x ? HEP_ASYNC : 0u, hg[x], q == 2, pad, budget[x], &og);
+        bad += em_compare(step, &cg, &in[x], &og, &oh);
+        if (x)
+            over = oh.overflow;
+        if (og.rc || oh.rc)
+            rc = HEP_ERR_INTERNAL;
+        free_em(&og), free_em(&oh);
+    }
+    MPI_Allreduce(&over, &overs, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    CHECK(rc != HEP_OK || overs > 0, "%s: the budget of %d rows dropped rows on no rank: the "
+          "case does not test the drop rule", name, drop);
+    for (int q = 0; rc == HEP_OK && q < 3; q++) { /* combine B, A, A */
+        const int x = q == 0 ? 1 : 0, t = in[x].t, E = El * world;
+        const int rows = budget[x]; /* every row up to the budget (the rest is not read) */
+        uint16_t *go = malloc((size_t)t * H * 2 + 16), *ho = malloc((size_t)t * H * 2 + 16);
+        float *gp = malloc((size_t)t * E * 4 + 16), *hp = malloc((size_t)t * E * 4 + 16);
+        char step[300];
+        snprintf(step, sizeof(step), "%s, combine %s", name,
+                 q == 0 ? "B (HEP_ASYNC)" : q == 1 ? "A" : "A a second time");
+        rc = em_combine(gh, 0, &ch, hh[x], t, rows, budget[x], 50u + (unsigned)q, x ? HEP_ASYNC : 0u, ho, hp);
+        rc = rc ? rc : em_combine(gg, 1, &cg, hg[x], t, rows, budget[x], 50u + (unsigned)q,
+                                  x ? HEP_ASYNC : 0u, go, gp);
+        if (rc == HEP_OK)
+            bad += combine_compare(step, &cg, t, go, gp, ho, hp);
+        free(go), free(ho), free(gp), free(hp);
+    }
+    for (int q = 0; q < 2; q++) {
+        hep_handle_destroy(hh[q]), hep_handle_destroy(hg[q]);
+        free_inputs(&in[q]);
+    }
+    if (gg)
+        CHECK(hep_group_destroy(gg) == HEP_OK, "GPU destroy: %s", hep_last_error());
+    if (gh)
+        CHECK(hep_group_destroy(gh) == HEP_OK, "host destroy: %s", hep_last_error());
+    MPI_Allreduce(&bad, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    CHECK(bad == 0, "%s: %d mismatches against the host backend", name, bad);
+    if (rank == 0)
+        printf("%s: %s (budgets %d and %d rows, %.1f s)\n", total || rc ? "FAILED" : "ok", name,
+               full, drop, now_s() - t0);
+    fflush(stdout);
+}
+
+/* Across processes without config.max_permuted_rows the expert-major layout is refused
+ * naming that field, and a budget above it is refused too (both before any collective
+ * step, on every rank alike). The GPU only: the host backend has no such limit. */
+static void permute_refusals(const hep_bootstrap *bs)
+{
+    hep_config c;
+    hep_group *g = NULL;
+    hep_handle *h = NULL;
+    inputs in;
+    em_out o;
+    int rc;
+    config(&c, 512, 16, 2, 2, 0, HEP_BACKEND_GPU, 0);
+    for (int pass = 0; pass < 2; pass++) {
+        c.max_permuted_rows = pass ? 64 : 0;
+        rc = hep_group_create(&c, bs, device_of_rank(), &g);
+        CHECK(rc == HEP_OK, "refusal group: %s", hep_last_error());
+        if (rc)
+            return;
+        CHECK(hep_handle_create(g, &h) == HEP_OK, "hep_handle_create: %s", hep_last_error());
+        make_inputs(&in, &c, 2, 0, 0, 1, 99u);
+        refusal_expected = 1;
+        em_dispatch(g, 1, &c, &in, 0, h, 0, 1, pass ? 65 : 64, &o);
+        refusal_expected = 0;
+        CHECK(o.rc == (pass ? HEP_ERR_INVALID : HEP_ERR_UNAVAILABLE) &&
+                  strstr(hep_last_error(), pass ? "exceeds config.max_permuted_rows = 64"
+                                                : "config.max_permuted_rows"),
+              "expected the refusal naming config.max_permuted_rows, got %d: %s", o.rc,
+              hep_last_error());
+        if (rank == 0)
+            printf("ok: refused %s: %s\n", pass ? "a budget above max_permuted_rows"
+                                               : "without max_permuted_rows", hep_last_error());
+        free_em(&o), free_inputs(&in);
+        hep_handle_destroy(h);
+        CHECK(hep_group_destroy(g) == HEP_OK, "destroy: %s", hep_last_error());
+    }
+}
+
+static int mode_permute(const hep_bootstrap *bs)
+{
+    char name[256];
+    if (!host_only)
+        permute_refusals(bs);
+    snprintf(name, sizeof(name), "%d processes, expert-major, BF16, int32 ids, pad 1", world);
+    case_permute(name, 512, 64, 4, 4, 0, 0, 1, bs);
+    snprintf(name, sizeof(name), "%d processes, expert-major, BF16, int64 ids, pad 128", world);
+    case_permute(name, 512, 64, 4, 4, 0, 1, 128, bs);
+    snprintf(name, sizeof(name), "%d processes, expert-major, FP8, int64 ids, pad 128, K 6", world);
+    case_permute(name, 1024, 96, 3, 6, 1, 1, 128, bs);
+    snprintf(name, sizeof(name), "%d processes, expert-major, FP8, int32 ids, pad 1", world);
+    case_permute(name, 1024, 64, 4, 4, 1, 0, 1, bs);
+    return failures;
+}
+
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "correct";
@@ -710,9 +1073,11 @@ int main(int argc, char **argv)
         mode_missing(&bs);
     else if (strcmp(mode, "nodes") == 0)
         mode_nodes(&bs);
+    else if (strcmp(mode, "permute") == 0)
+        mode_permute(&bs);
     else {
         if (rank == 0)
-            fprintf(stderr, "usage: test_gpu_mpi correct|bench|missing|nodes\n");
+            fprintf(stderr, "usage: test_gpu_mpi correct|bench|missing|nodes|permute\n");
         failures = 1;
     }
     hep_bootstrap_mpi_destroy(&bs);

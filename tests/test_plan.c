@@ -200,6 +200,42 @@ static void expect_invalid(hep_config c, int nodes, int rpn, const char *needle)
         fail_msg("expected '%s' in '%s'", needle, hep_last_error());
 }
 
+/* config.max_permuted_rows: the GPU plan's expert-major staging in the IPC-shared arena
+ * (rows of 2 H bytes, one f32 a row, FP8 scales), after the buffers that were there; none
+ * with 0, and none for the host backend. */
+static void plan_expert_major_staging_is_sized_by_max_permuted_rows(void **state)
+{
+    hep_config c = base(256, 10, 2, 1, HEP_DTYPE_FP8_E4M3);
+    hep_plan p, q;
+    (void)state;
+    assert_int_equal(hep_plan_make(&c, 1, 2, &q), HEP_OK);
+    assert_false(q.buf[HEP_BUF_EM_TOKEN].present);
+    assert_false(q.buf[HEP_BUF_EM_PROB].present);
+    assert_int_equal(q.max_permuted_rows, 0);
+    c.max_permuted_rows = 100;
+    assert_int_equal(hep_plan_make(&c, 1, 2, &p), HEP_OK);
+    assert_int_equal(p.max_permuted_rows, 100);
+    assert_true(p.buf[HEP_BUF_EM_TOKEN].present);
+    assert_int_equal(p.buf[HEP_BUF_EM_TOKEN].bytes, 100 * 256 * 2);
+    assert_int_equal(p.buf[HEP_BUF_EM_TOKEN].arena, HEP_ARENA_SHARED);
+    assert_int_equal(p.buf[HEP_BUF_EM_PROB].bytes, 100 * 4);
+    assert_int_equal(p.buf[HEP_BUF_EM_PROB].arena, HEP_ARENA_SHARED);
+    assert_int_equal(p.buf[HEP_BUF_EM_SCALE].bytes, 100 * 2 * 4);
+    assert_string_equal(p.buf[HEP_BUF_EM_TOKEN].name, "expert_major.token");
+    /* the buffers that were there keep their places */
+    for (int i = 0; i < HEP_BUF_EM_TOKEN; i++)
+        assert_int_equal(p.buf[i].offset, q.buf[i].offset);
+    assert_true(p.buf[HEP_BUF_EM_TOKEN].offset >= q.buf[HEP_BUF_MAILBOX].offset +
+                                                      q.buf[HEP_BUF_MAILBOX].bytes);
+    c.dtype = HEP_DTYPE_BF16;
+    assert_int_equal(hep_plan_make(&c, 1, 2, &p), HEP_OK);
+    assert_false(p.buf[HEP_BUF_EM_SCALE].present);
+    c.backend = HEP_BACKEND_HOST;
+    assert_int_equal(hep_plan_make(&c, 1, 2, &p), HEP_OK);
+    assert_false(p.buf[HEP_BUF_EM_TOKEN].present);
+    assert_int_equal(p.max_permuted_rows, 0);
+}
+
 static void plan_refuses_every_invalid_field(void **state)
 {
     hep_config ok = base(1024, 64, 4, 2, HEP_DTYPE_BF16), c;
@@ -225,6 +261,8 @@ static void plan_refuses_every_invalid_field(void **state)
     BAD(chunk_tokens, -1, "config.chunk_tokens");
     BAD(chunk_tokens, 4097, "config.chunk_tokens");
     BAD(backend, 5, "config.backend");
+    BAD(max_permuted_rows, -1, "config.max_permuted_rows = -1 is out of range 0..1073741824");
+    BAD(max_permuted_rows, (1 << 30) + 1, "config.max_permuted_rows");
     c = ok;
     c.dtype = HEP_DTYPE_FP8_E4M3;
     c.hidden = 1000;
@@ -246,6 +284,7 @@ int main(void)
         cmocka_unit_test(plan_buffers_do_not_overlap_unless_aliased),
         cmocka_unit_test(plan_bf16_two_nodes_alias_slots_of_the_same_node),
         cmocka_unit_test(plan_gpu_128_nodes_of_8_ranks),
+        cmocka_unit_test(plan_expert_major_staging_is_sized_by_max_permuted_rows),
         cmocka_unit_test(plan_refuses_every_invalid_field),
     };
     return cmocka_run_group_tests_name("plan", tests, NULL, NULL);

@@ -154,6 +154,10 @@ static void print_text(const hep_plan_info *p, const hep_config *c)
                p->max_recv_rows, (long long)p->world * c->max_tokens);
     else
         printf("max received rows per rank: %zu (W x T, the worst case)\n", p->max_recv_rows);
+    if (c->max_permuted_rows && c->backend != HEP_BACKEND_HOST)
+        printf("expert-major staging per rank: %d rows (--max-permuted-rows: the most "
+               "num_permuted_tokens of an expert-major dispatch across processes)\n",
+               c->max_permuted_rows);
     printf("total device memory per rank: %zu bytes (%.3f GB, %.3f GiB)\n", p->device_bytes,
            (double)p->device_bytes / 1e9, (double)p->device_bytes / (1 << 30));
     printf("total host memory per rank  : %zu bytes\n", p->host_bytes);
@@ -182,6 +186,7 @@ static void print_json(const hep_plan_info *p, const hep_config *c)
     json_str(&j, "dtype", c->dtype == HEP_DTYPE_FP8_E4M3 ? "fp8" : "bf16");
     json_int(&j, "max_recv_rows", (long long)p->max_recv_rows);
     json_int(&j, "max_recv_rows_option", c->max_recv_rows);
+    json_int(&j, "max_permuted_rows", c->backend != HEP_BACKEND_HOST ? c->max_permuted_rows : 0);
     json_str(&j, "backend", c->backend == HEP_BACKEND_HOST ? "host" : "gpu");
     json_int(&j, "chunk_option", c->chunk_tokens);
     json_int(&j, "chunk_tokens", p->chunk_tokens);
@@ -234,6 +239,9 @@ int hep_cmd_plan(int argc, char **argv)
             {"topk", CLI_INT, &c.max_topk, 1, 1 << 30, NULL, "K", "experts per token"},
             {"max-recv-rows", CLI_INT, &c.max_recv_rows, 0, 1 << 30, NULL, "N",
              "receive capacity per rank (0 = W x T, the worst case)"},
+            {"max-permuted-rows", CLI_INT, &c.max_permuted_rows, 0, 1 << 30, NULL, "N",
+             "rows of the expert-major staging (GPU, the node's ranks in several processes; "
+             "0 = none)"},
             {"chunk", CLI_INT, &c.chunk_tokens, 0, 1 << 30, NULL, "C",
              "tokens per chunk of the inter-node rings (0 = one chunk of T per slot)"},
             {"backend", CLI_CHOICE, &backend, 0, 0, "gpu|host", NULL,

@@ -95,6 +95,18 @@ typedef struct hep_config {
                              every rank's rows in the counts it exchanges); across nodes
                              group creation refuses a non-zero value with
                              HEP_ERR_UNAVAILABLE. */
+    int max_permuted_rows; /* GPU backend, one node, the node's ranks in several processes
+                             (one process per GPU, torchrun): the rows of the group-owned
+                             expert-major staging (expert_major.token, .prob, .scaling_factor
+                             of `hybridep plan`, shared with the node-mates through CUDA IPC)
+                             that the expert-major layout of hep_dispatch_ex lands in before
+                             each rank copies its rows into its caller memory, and that its
+                             combine reads the node-mates' expert outputs from. 0 (default) =
+                             none: such a dispatch is refused naming this field; else
+                             1..2^30, and a dispatch whose num_permuted_tokens exceeds it is
+                             refused (HEP_ERR_INVALID). Not used (but allocated) when the
+                             node's ranks are threads of one process (their kernels write the
+                             caller memory directly), nor by the host backend (not planned). */
 } hep_config;
 
 /* Fill *c with the defaults above (the fields without a default are zero). */
@@ -323,8 +335,11 @@ typedef struct hep_dispatch_opts {
  * backend lacks (the message names it): the GPU kernels have handles, reuse and caller
  * outputs (rank-major, copied from the group's buffers after the kernel: copy_bytes counts
  * them in the blocking mode, 0 with HEP_ASYNC) with one node, and the expert-major layout
- * with one node, a caller handle and the node's ranks in one process (written by the
- * dispatch kernel straight into every node-mate's recv_*; every rank of a call must use
+ * with one node and a caller handle (the node's ranks in one process: written by the
+ * dispatch kernel straight into every node-mate's recv_*; in several processes: through
+ * the group's staging of config.max_permuted_rows rows, copied into recv_* after the
+ * kernel and counted in copy_bytes; HEP_ERR_UNAVAILABLE naming that field when it is 0,
+ * HEP_ERR_INVALID for a num_permuted_tokens above it; every rank of a call must use
  * the expert-major layout alike; the counts reach the host in the blocking mode only),
  * nothing of this across nodes; the host backend has all of them, except the expert-major
  * layout across nodes with the ranks of a node in several processes. */
@@ -343,7 +358,9 @@ typedef struct hep_combine_opts {
  * node-mates read it; that copy waits on the device until every node-mate finished the
  * previous combine. Expert-major, the node-mates read expert_out and probs_in where they
  * are, and this rank's combine kernel ends only once every node-mate finished reading
- * them (hep_combine_input(g) is refused).
+ * them (hep_combine_input(g) is refused); the node's ranks in several processes: copied
+ * into this rank's expert-major staging first (once every node-mate finished the previous
+ * combine), where the node-mates read them, so the caller may reuse them at once.
  * Errors as hep_combine, and HEP_ERR_INVALID for a handle of another group or
  * without a layout, probs_in without probs_out, expert_out == hep_combine_input(g) when
  * that buffer no longer holds the handle's rows (another dispatch or a combine ran since);

@@ -53,7 +53,8 @@ class HybridEPWarning(UserWarning):
 class Config(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int) for n in (
         "hidden", "max_tokens", "experts_per_rank", "max_topk", "dtype", "ranks_per_node",
-        "dispatch_sms", "combine_sms", "chunk_tokens", "backend", "max_recv_rows")]
+        "dispatch_sms", "combine_sms", "chunk_tokens", "backend", "max_recv_rows",
+        "max_permuted_rows")]
 
 
 ALLGATHER_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,

@@ -136,13 +136,18 @@ class Buffer:
     needed); max_topk: most experts per token (default min(8, E_l x W)); no_sync: dispatch
     and combine never wait on the host (CUDA graph capture; see dispatch); recv_budget:
     with no_sync, rows returned by dispatch (default: the capacity, which never overflows);
-    timeout_ms: bound of the bootstrap's waits (default HEP_TIMEOUT_MS or 30000).
+    timeout_ms: bound of the bootstrap's waits (default HEP_TIMEOUT_MS or 30000);
+    max_permuted_rows: rows of the group's expert-major staging (config.max_permuted_rows,
+    default 0 = none), which dispatch_with_permute needs on the GPU when the node's ranks
+    are processes (torchrun: one process per GPU); it bounds num_permuted_tokens, and the
+    default budget is capped at it (rounded down to pad_multiple).
 
     Call close() on every rank when done (collective); errors are HybridEPError."""
 
     def __init__(self, group, hidden_dim, max_num_of_tokens_per_rank, num_local_experts,
                  use_fp8=False, num_sms=None, ranks_per_node=None, backend="gpu",
-                 max_topk=None, no_sync=False, recv_budget=None, timeout_ms=None):
+                 max_topk=None, no_sync=False, recv_budget=None, timeout_ms=None,
+                 max_permuted_rows=None):
         if backend not in ("gpu", "host"):
             raise ValueError("hybridep.Buffer: backend must be 'gpu' or 'host', not %r" % (backend,))
         self.group = group
@@ -178,6 +183,8 @@ class Buffer:
         if num_sms:
             cfg.dispatch_sms = cfg.combine_sms = int(num_sms)
         cfg.backend = _lib.HEP_BACKEND_GPU if backend == "gpu" else _lib.HEP_BACKEND_HOST
+        cfg.max_permuted_rows = int(max_permuted_rows or 0)
+        self.max_permuted_rows = cfg.max_permuted_rows
         self.max_topk = cfg.max_topk
         self._cfg = cfg
         rc = _lib.lib.hep_group_create(ctypes.byref(cfg), ctypes.byref(self._bs.table),
@@ -432,7 +439,10 @@ class Buffer:
         experts, each block padded."""
         El = self.num_local_experts
         rows = self.max_recv_rows * min(self.max_topk, El) + El * (pad - 1)
-        return (rows + pad - 1) // pad * pad
+        rows = (rows + pad - 1) // pad * pad
+        if self.max_permuted_rows:  # the staging's rows bound the budget
+            rows = min(rows, max(pad, self.max_permuted_rows // pad * pad))
+        return rows
 
     def dispatch_with_permute(self, hidden, topk_idx=None, topk_weights=None,
                               scaling_factor=None, pad_multiple=1, num_permuted_tokens=None,
@@ -444,7 +454,7 @@ class Buffer:
 
         num_permuted_tokens: the row budget (a multiple of pad_multiple; default: the count
         that never overflows, max_recv_rows x min(max_topk, E_l) plus padding, which can be
-        large: pass your own); rows past it are dropped, the highest experts' first, and
+        large: pass your own; with max_permuted_rows, at most that); rows past it are dropped, the highest experts' first, and
         handle.overflow / overflow_rows say so. handle: a PermuteHandle to record the layout
         into (default: a new one), or, with topk_idx None, one whose layout to dispatch
         again (HEP_REUSE_LAYOUT: no routing pass; topk_weights [t, K] or None for the
@@ -455,7 +465,8 @@ class Buffer:
         written (handle.num_permuted; no_sync: the budget). Tensors are the caller's (what
         a training framework saves for its backward). Raises HybridEPError with the
         library's message where the backend lacks it (HEP_ERR_UNAVAILABLE: the GPU kernels
-        until they implement the training API; the host backend across processes)."""
+        across nodes, or across processes without max_permuted_rows; the host backend
+        across nodes with processes)."""
         if not self._g:
             self._alive()
         reuse = handle is not None and topk_idx is None

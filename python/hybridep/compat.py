@@ -31,7 +31,7 @@ class HybridEPBuffer:
     def __init__(self, group, hidden_dim, max_num_of_tokens_per_rank, num_local_experts,
                  use_fp8=False, num_sms_dispatch_api=32, num_sms_combine_api=32,
                  num_sms_preprocessing_api=128, nvlink_domain_size=None, backend=None,
-                 max_topk=None):
+                 max_topk=None, max_permuted_rows=None):
         import torch.distributed as dist
         self.group = group
         if isinstance(group, _ThreadRank):  # ranks as threads of one process
@@ -49,7 +49,8 @@ class HybridEPBuffer:
         self._buf = Buffer(group, hidden_dim, max_num_of_tokens_per_rank, num_local_experts,
                            use_fp8=use_fp8, num_sms=sms, ranks_per_node=ranks_per_node,
                            backend=backend, max_topk=max_topk or min(
-                               32, num_local_experts * self.group_size))
+                               32, num_local_experts * self.group_size),
+                           max_permuted_rows=max_permuted_rows)
         self.num_of_ranks_per_node = self._buf.ranks_per_node
         self.num_of_nodes = self._buf.num_nodes
         self.local_rank = self._buf.local_rank

@@ -111,25 +111,86 @@ def test_custom_ops_need_torch_2_4():
 
 
 def _permute_on_gpu(rank, world):
-    from test_permute import expected_permute, EL as PEL, H as PH, K as PK, T as PT
+    """The permute pair on the GPU with one process per rank (through the group's
+    expert-major staging, max_permuted_rows) against the plain-torch reference of
+    test_permute: rows, probabilities, tokens per expert, combined tokens and the
+    probabilities through combine, for the budget that never overflows (pad 16), a budget
+    that drops rows (pad 4), and the first layout dispatched again (HEP_REUSE_LAYOUT)."""
+    from test_permute import expected_permute, _expert, EL as PEL, H as PH, K as PK, T as PT
+    torch.cuda.set_device(0)
+    buf = hybridep.Buffer(None, PH, PT, PEL, backend="gpu", num_sms=4, max_topk=PK,
+                          max_permuted_rows=4096)
+    E = PEL * world
+    said = []
+    try:
+        for seed, pad, budget in ((61, 16, None), (71, 4, 8)):
+            all_in = [ref.inputs(seed, r, PT, PH, E, PK) for r in range(world)]
+            x, i, w, _ = all_in[rank]
+            tok, pr, _, tpe, h = buf.dispatch_with_permute(x.cuda(), i.cuda(), w.cuda(),
+                                                            pad_multiple=pad,
+                                                            num_permuted_tokens=budget)
+            b = h.budget
+            assert b == (budget or buf._budget(pad)) and b <= 4096, b
+            etok, epr, etpe, _ = expected_permute(all_in, rank, pad, b)
+            assert torch.equal(tpe, etpe), "rank %d: tokens per expert %s, expected %s" % (
+                rank, tpe.tolist(), etpe.tolist())
+            assert torch.equal(tok.cpu(), etok), "rank %d: expert-major rows differ" % rank
+            assert torch.equal(pr.cpu(), epr), "rank %d: row probabilities differ" % rank
+            if pad == 16:  # the same layout again, no routing pass: the same rows
+                tok2, pr2, _, tpe2, h2 = buf.dispatch_with_permute(x.cuda(), handle=h)
+                assert h2 is h and torch.equal(tok2.cpu(), etok) and torch.equal(pr2.cpu(), epr)
+            outs, wheres, eprs = [], [], []
+            for d in range(world):
+                t_d, p_d, tpe_d, where_d = expected_permute(all_in, d, pad, b)
+                o = _expert(d, t_d, tpe_d)
+                o[t_d.float().abs().sum(1) == 0] = 7.0  # padding rows: junk that must not count
+                outs.append(o)
+                wheres.append(where_d)
+                eprs.append(p_d)
+            y, pout = buf.combine_with_unpermute(outs[rank].cuda(), h, probs=pr * 10 + rank)
+            t = x.shape[0]
+            ey = torch.zeros((t, PH))
+            ep = torch.zeros((t, E))
+            for tok_i in range(t):
+                acc = torch.full((PH,), -0.0)
+                for d in range(world):
+                    for e in range(PEL):
+                        p = wheres[d].get((rank, tok_i, e))
+                        if p is not None:
+                            acc = acc + outs[d][p].float()
+                            ep[tok_i, d * PEL + e] = eprs[d][p] * 10 + d
+                ey[tok_i] = acc
+            assert torch.equal(y.cpu(), ey.to(torch.bfloat16)), "rank %d: combined tokens differ" % rank
+            assert torch.allclose(pout.cpu(), ep), "rank %d: probabilities through combine differ" % rank
+            said.append("pad %d budget %d: %d rows%s" % (pad, b, h.num_permuted,
+                                                          ", dropped %d" % h.overflow_rows
+                                                          if h.overflow else ""))
+    finally:
+        buf.close()
+    return "ran (%s)" % "; ".join(said)
+
+
+def _permute_needs_the_staging(rank, world):
+    """Across processes without max_permuted_rows the library refuses, naming the field."""
+    from test_permute import EL as PEL, H as PH, K as PK, T as PT
     torch.cuda.set_device(0)
     buf = hybridep.Buffer(None, PH, PT, PEL, backend="gpu", num_sms=4, max_topk=PK)
-    all_in = [ref.inputs(61, r, PT, PH, PEL * world, PK) for r in range(world)]
-    x, i, w, _ = all_in[rank]
     try:
-        tok, pr, _, tpe, h = buf.dispatch_with_permute(x.cuda(), i.cuda(), w.cuda(), pad_multiple=16)
-    except hybridep.HybridEPError as e:  # until the kernels implement the training API
-        assert e.status_name == "HEP_ERR_UNAVAILABLE", e
-        assert "GPU kernels" in e.message, e.message
+        x, i, w, _ = ref.inputs(61, rank, PT, PH, PEL * world, PK)
+        with pytest.raises(hybridep.HybridEPError) as e:
+            buf.dispatch_with_permute(x.cuda(), i.cuda(), w.cuda(), pad_multiple=16)
+        assert e.value.status_name == "HEP_ERR_UNAVAILABLE", e.value
+        assert "config.max_permuted_rows" in e.value.message, e.value.message
+    finally:
         buf.close()
-        return "unavailable: " + e.message
-    etok, epr, etpe, _ = expected_permute(all_in, rank, 16, h.budget)
-    assert torch.equal(tpe, etpe) and torch.equal(tok.cpu(), etok) and torch.equal(pr.cpu(), epr)
-    buf.close()
-    return "ran"
+    return True
 
 
 @needs_gpu
 def test_dispatch_with_permute_on_the_gpu_runs_or_raises_the_library_message():
+    """(The name is kept for bench/gpu_run.sh.) The permute pair runs across processes and
+    matches plain torch; only without max_permuted_rows is it refused, by name."""
     out = run_ranks(_permute_on_gpu, WORLD, timeout=300)
     print("dispatch_with_permute on the GPU:", out[0])
+    assert all(v.startswith("ran") for v in out.values()), out
+    run_ranks(_permute_needs_the_staging, WORLD, timeout=300)

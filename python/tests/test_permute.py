@@ -326,3 +326,17 @@ def test_a_small_row_budget_across_processes_drops_as_in_one_process():
     out = run_ranks(_case_across_processes, 3, 4, 8, 71)
     assert any(ov for ov, _ in out.values()), out
     assert all((rows > 0) == ov for ov, rows in out.values()), out
+
+
+def test_max_permuted_rows_caps_the_default_budget():
+    """Buffer(max_permuted_rows=N) sets config.max_permuted_rows (the GPU's expert-major
+    staging across processes) and caps the default budget at it, rounded down to the pad."""
+    def f(rank, world, tr):
+        buf = hybridep.Buffer(tr, H, T, EL, backend="host", max_topk=K, max_permuted_rows=20)
+        try:
+            assert buf.max_permuted_rows == 20 and buf._cfg.max_permuted_rows == 20
+            assert (buf._budget(1), buf._budget(4), buf._budget(16)) == (20, 20, 16)
+        finally:
+            buf.close()
+        return True
+    assert all(run_threads(f, 3).values())

@@ -237,12 +237,22 @@ static int check_dispatch_opts(hep_group *g, const hep_dispatch_args *a, const h
                         "caller handle only (its positions live in the handle's device memory): "
                         "pass hep_dispatch_opts.handle (hep_handle_create)");
     if (g->cfg.backend == HEP_BACKEND_GPU && layout == HEP_LAYOUT_EXPERT_MAJOR &&
-        !g->mates_one_process)
+        !g->mates_one_process && g->cfg.max_permuted_rows == 0)
         return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "hep_dispatch_ex: the GPU kernels write expert-major rows straight into "
-                        "the node-mates' caller memory, which needs every rank of the node in "
-                        "one process (threads); this node's ranks are in several processes: use "
-                        "the rank-major layout");
+                        "hep_dispatch_ex: this node's ranks are in several processes, whose "
+                        "caller memory the node-mates' GPU kernels cannot address: the "
+                        "expert-major layout then goes through a group-owned staging of "
+                        "config.max_permuted_rows rows, which is 0 (none); create the group with "
+                        "max_permuted_rows >= num_permuted_tokens, or use the rank-major layout");
+    if (g->cfg.backend == HEP_BACKEND_GPU && layout == HEP_LAYOUT_EXPERT_MAJOR &&
+        !g->mates_one_process && !reuse && x->num_permuted_tokens > g->cfg.max_permuted_rows)
+        return hep_fail(HEP_ERR_INVALID,
+                        "hep_dispatch_ex: num_permuted_tokens = %d exceeds "
+                        "config.max_permuted_rows = %d, the rows of the expert-major staging "
+                        "(this node's ranks are in several processes): pass a budget of at most "
+                        "%d rows, or create the group with a larger max_permuted_rows",
+                        x->num_permuted_tokens, g->cfg.max_permuted_rows,
+                        g->cfg.max_permuted_rows / pad * pad);
     if (g->cfg.backend == HEP_BACKEND_GPU && g->N > 1 &&
         (x->handle || x->recv_tokens || x->recv_probs || x->recv_scales))
         return hep_fail(HEP_ERR_UNAVAILABLE,

@@ -83,7 +83,8 @@ static int compare_configs(const rank_card *cards, int world)
     } fields[] = {FIELD(hidden),         FIELD(max_tokens),   FIELD(experts_per_rank),
                   FIELD(max_topk),       FIELD(dtype),        FIELD(ranks_per_node),
                   FIELD(dispatch_sms),   FIELD(combine_sms),  FIELD(chunk_tokens),
-                  FIELD(backend),        FIELD(max_recv_rows)};
+                  FIELD(backend),        FIELD(max_recv_rows),
+                  FIELD(max_permuted_rows)};
 #undef FIELD
     for (size_t f = 0; f < sizeof(fields) / sizeof(fields[0]); f++) {
         int v0;

@@ -121,6 +121,16 @@ static int gpu_setup(hep_backend_ctx *g)
         k->counts[l] = (int *)hep_be_peer_buf(g, l, HEP_BUF_COUNTS);
         k->flags[l] = (unsigned long long *)hep_be_peer_buf(g, l, HEP_BUF_FLAGS);
     }
+    if (g->plan->buf[HEP_BUF_EM_TOKEN].present) {
+        /* the staging of every node-mate lies at the same distance from its exchange.token:
+         * one shared arena, one plan */
+        const long long x0 = (long long)g->plan->buf[HEP_BUF_TOKEN_X].offset;
+        k->em_xoff = (long long)g->plan->buf[HEP_BUF_EM_TOKEN].offset - x0;
+        k->em_poff = (long long)g->plan->buf[HEP_BUF_EM_PROB].offset - x0;
+        k->em_soff = g->plan->buf[HEP_BUF_EM_SCALE].present
+                         ? (long long)g->plan->buf[HEP_BUF_EM_SCALE].offset - x0
+                         : 0;
+    }
     return HEP_OK;
 }
 
@@ -311,13 +321,24 @@ static size_t copied_bytes(const hep_backend_ctx *g, const hep_dispatch_opts *x,
     return b;
 }
 
+/* Whether the expert-major layout goes through the group's staging: the node's ranks are
+ * in several processes, whose caller memory the node-mates cannot address (group/ep.c
+ * refused it without config.max_permuted_rows). */
+static int em_staged(const hep_backend_ctx *g)
+{
+    return !g->mates_one_process;
+}
+
 /* The expert-major arguments of a GPU dispatch (one node, a caller handle): the handle's
- * positions and words, this rank's caller outputs; or none (em = 0). */
+ * positions and words, this rank's caller outputs (staged: its staging, and the caller's
+ * outputs for the copy after the kernel); or none (em = 0). */
 static void em_setup(hep_backend_ctx *g, hep_handle *h, const hep_dispatch_opts *x, int reuse, int em)
 {
     hep_kargs *k = g->kargs;
+    const int fp8 = g->cfg->dtype == HEP_DTYPE_FP8_E4M3;
     (void)reuse;
     k->emajor = em;
+    k->em_stage = 0;
     if (!em)
         return;
     k->epos = h->d_epos;
@@ -327,7 +348,16 @@ static void em_setup(hep_backend_ctx *g, hep_handle *h, const hep_dispatch_opts 
     k->tpe64 = (long long *)h->d_tpe;
     k->em_tokens = x->recv_tokens;
     k->em_probs = x->recv_probs;
-    k->em_scales = g->cfg->dtype == HEP_DTYPE_FP8_E4M3 ? x->recv_scales : NULL;
+    k->em_scales = fp8 ? x->recv_scales : NULL;
+    if (em_staged(g)) { /* the kernel writes the staging; k_em_stage_out the caller's */
+        k->em_stage = 1;
+        k->em_tokens = hep_be_buf(g, HEP_BUF_EM_TOKEN);
+        k->em_probs = (float *)hep_be_buf(g, HEP_BUF_EM_PROB);
+        k->em_scales = fp8 ? (float *)hep_be_buf(g, HEP_BUF_EM_SCALE) : NULL;
+        k->out_tokens = x->recv_tokens;
+        k->out_probs = x->recv_probs;
+        k->out_scales = fp8 ? x->recv_scales : NULL;
+    }
 }
 
 /* Bytes of one expert-major row in caller memory: the row, its probability, its scales. */
@@ -429,6 +459,8 @@ static int gpu_dispatch(hep_backend_ctx *g, const hep_dispatch_args *a, hep_disp
             return cuda_status((cudaError_t)rc, "hep_dispatch: kernel launch");
     }
     rc = hep_launch_dispatch(k, g->cfg->dispatch_sms, a->stream);
+    if (rc == 0 && em && k->em_stage)
+        rc = hep_launch_em_stage_out(k, 64, a->stream);
     if (rc == 0 && copy) {
         k->out_tokens = x->recv_tokens;
         k->out_probs = x->recv_probs;
@@ -518,14 +550,19 @@ static int gpu_combine(hep_backend_ctx *g, const hep_combine_args *a, const hep_
     k->combine_out = a->out;
     k->combine_in = a->expert_out && a->expert_out != x ? a->expert_out : NULL;
     k->x_stride_in = g->cfg->hidden * 2;
-    if (em) { /* read where they are: the node-mates' kernels take these pointers */
+    k->em_stage = em && em_staged(g);
+    if (em) { /* read where they are: the node-mates' kernels take these pointers (staged:
+                 copied into this rank's staging first, where they read them) */
         k->epos = h->d_epos;
+        k->em = h->d_em;
         k->combine_in = a->expert_out;
     }
     if (g->N > 1 && (rc = start_network(g, 1, g->cfg->combine_sms, a->stream, g->epoch)))
         return rc;
     if (!em && (k->combine_in || k->probs_in))
         rc = hep_launch_copy_in(k, 64, a->stream);
+    if (k->em_stage)
+        rc = hep_launch_em_stage_in(k, 64, a->stream);
     if (rc == 0)
         rc = hep_launch_combine(k, g->cfg->combine_sms, a->stream);
     if (rc)

@@ -448,7 +448,13 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     bool ok = true;
     if (tid < R)
         ok = wait_mate(a, a.flags[tid] + HEP_FLAG_COMBINE_READY, c, HEP_STAGE_COMBINE, tid);
-    if (EM && tid < R && ok) {
+    if (EM && tid < R && ok && a.em_stage) {
+        /* across processes: the node-mate's staging (its k_em_stage_in ran before its
+         * COMBINE_READY); its published probs_in only says whether it sent probabilities */
+        const bool pin = ld_relaxed(a.flags[tid] + HEP_FLAG_EM_PROBS_IN) != 0;
+        s_x[tid] = (const char *)a.x[tid] + a.em_xoff;
+        s_pin[tid] = pin ? (const float *)((const char *)a.x[tid] + a.em_poff) : NULL;
+    } else if (EM && tid < R && ok) {
         s_x[tid] = (const char *)(uintptr_t)ld_relaxed(a.flags[tid] + HEP_FLAG_EM_COMBINE_IN);
         s_pin[tid] = (const float *)(uintptr_t)ld_relaxed(a.flags[tid] + HEP_FLAG_EM_PROBS_IN);
     }
@@ -533,7 +539,8 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
             combine_probs(a, gw, nw);
     }
     combine_done(a, c);
-    if (EM)
+    if (EM && !a.em_stage) /* staged: the caller's memory was copied; k_em_stage_in of the
+                              next combine waits for the readers of the staging instead */
         em_wait_readers(a, c);
 }
 
@@ -593,6 +600,73 @@ __global__ void k_copy_out(hep_kargs a)
     }
 }
 
+// Staged expert-major dispatch (a.em_stage): the rows written into this rank's staging
+// (its own padding and every source's rows, all arrived once the dispatch kernel ended)
+// copied into its caller memory; nothing when the layout exceeded the receive capacity.
+__global__ void k_em_stage_out(hep_kargs a)
+{
+    if (a.cap && ld_l2(a.over))
+        return;
+    const size_t rows = (size_t)ld_l2(a.em + HEP_EM_NUM_PERMUTED);
+    const size_t step = (size_t)gridDim.x * blockDim.x;
+    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const char *base = a.x[a.local];
+    const size_t n = rows * ((size_t)a.H * a.esize / 16);
+    const uint4 *src = (const uint4 *)(base + a.em_xoff);
+    uint4 *dst = (uint4 *)a.out_tokens;
+    for (size_t k = first; k < n; k += step)
+        dst[k] = ld_cg(src + k);
+    const float *pr = (const float *)(base + a.em_poff);
+    for (size_t k = first; k < rows; k += step)
+        a.out_probs[k] = __ldcg(pr + k);
+    if (a.em_soff && a.out_scales) {
+        const float *sc = (const float *)(base + a.em_soff);
+        const size_t ns = rows * (size_t)a.nscale;
+        for (size_t k = first; k < ns; k += step)
+            a.out_scales[k] = __ldcg(sc + k);
+    }
+}
+
+// Staged expert-major combine (a.em_stage): the caller's expert outputs (and probs_in) into
+// this rank's staging, once every node-mate finished reading it in the previous combine
+// (COMBINE_DONE >= the previous count; the dispatch rows it held were copied out already).
+__global__ void k_em_stage_in(hep_kargs a)
+{
+    if (ld_l2(a.over)) /* the layout exceeded the capacity: no combine (every rank alike) */
+        return;
+    const size_t rb = (size_t)a.H * 2, nvec = rb / 16;
+    const size_t rows = (size_t)ld_l2(a.em + HEP_EM_NUM_PERMUTED), total = rows * nvec;
+    const size_t step = (size_t)gridDim.x * blockDim.x;
+    const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    char *base = a.x[a.local];
+    const unsigned long long prev = *a.cepoch;
+    bool ok = true;
+    if (threadIdx.x < a.R)
+        ok = wait_mate(a, a.flags[threadIdx.x] + HEP_FLAG_COMBINE_DONE, prev, HEP_STAGE_COMBINE,
+                       threadIdx.x);
+    if (!block_all(ok))
+        return;
+    const uint4 *src = (const uint4 *)a.combine_in;
+    uint4 *dst = (uint4 *)(base + a.em_xoff);
+    for (size_t k = first; src && k < total; k += step)
+        dst[k] = __ldg(src + k);
+    float *pd = (float *)(base + a.em_poff);
+    for (size_t k = first; a.probs_in && k < rows; k += step)
+        pd[k] = __ldg(a.probs_in + k);
+}
+
+extern "C" int hep_launch_em_stage_out(const hep_kargs *a, int blocks, void *stream)
+{
+    k_em_stage_out<<<blocks, 512, 0, (cudaStream_t)stream>>>(*a);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int hep_launch_em_stage_in(const hep_kargs *a, int blocks, void *stream)
+{
+    k_em_stage_in<<<blocks, 512, 0, (cudaStream_t)stream>>>(*a);
+    return (int)cudaGetLastError();
+}
+
 extern "C" int hep_launch_combine(const hep_kargs *a, int blocks, void *stream)
 {
     if (a->emajor)
@@ -624,5 +698,9 @@ extern "C" int hep_preload_combine(void)
         e = cudaFuncGetAttributes(&fa, (const void *)k_copy_in);
     if (e == cudaSuccess)
         e = cudaFuncGetAttributes(&fa, (const void *)k_copy_out);
+    if (e == cudaSuccess)
+        e = cudaFuncGetAttributes(&fa, (const void *)k_em_stage_out);
+    if (e == cudaSuccess)
+        e = cudaFuncGetAttributes(&fa, (const void *)k_em_stage_in);
     return (int)e;
 }

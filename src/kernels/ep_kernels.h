@@ -221,7 +221,16 @@ typedef struct hep_kargs {
     int *em;                         /* d_em */
     long long *tpe64;                /* [El] d_tpe */
     void *em_tokens;                 /* dispatch: this rank's recv_tokens ... */
-    float *em_probs, *em_scales;     /* ... recv_probs, recv_scales */
+    float *em_probs, *em_scales;     /* ... recv_probs, recv_scales (staged: its staging) */
+    /* The node's ranks in several processes (caller memory of a node-mate cannot be
+     * addressed): 1: the expert-major rows, probabilities and scales land in each
+     * destination's group-owned staging (expert_major.* of the plan, in the IPC-shared
+     * arena), which its own kernels copy to and from its caller memory (k_em_stage_out after
+     * dispatch, k_em_stage_in before combine); the fused kernels take the staging of
+     * node-mate l at x[l] + em_xoff (rows), + em_poff (probabilities), + em_soff (FP8
+     * scales, 0: none) in place of the pointers published in HEP_FLAG_EM_*. 0: as before. */
+    int em_stage;
+    long long em_xoff, em_poff, em_soff;
 } hep_kargs;
 
 #ifdef __cplusplus
@@ -230,6 +239,14 @@ extern "C" {
 /* Each returns 0 or a cudaError_t of the launch. `stream` is a cudaStream_t. */
 int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream);
 int hep_launch_combine(const hep_kargs *a, int blocks, void *stream);
+/* Staged expert-major layout (em_stage): after the dispatch kernel, copy the rows written
+ * (em[HEP_EM_NUM_PERMUTED], read on the device; none when the layout exceeded the receive
+ * capacity) of this rank's staging to out_tokens, out_probs, out_scales. */
+int hep_launch_em_stage_out(const hep_kargs *a, int blocks, void *stream);
+/* Staged expert-major combine: once every node-mate finished the previous combine, copy
+ * em[HEP_EM_NUM_PERMUTED] rows of combine_in (and of probs_in, if given) into this rank's
+ * staging, where the node-mates' combine kernels read them. */
+int hep_launch_em_stage_in(const hep_kargs *a, int blocks, void *stream);
 /* Copy recv_count rows (read on the device) of combine_in into this rank's X (if
  * combine_in) and of probs_in into its prob buffer (if probs_in), once every node-mate
  * finished the previous combine. */

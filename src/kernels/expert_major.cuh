@@ -1,6 +1,9 @@
 // kernels/expert_major.cuh: the expert-major layout of the dispatch kernel (N = 1), fused
 // into k_dispatch<true> (dispatch.cu): every (token, local expert) row goes straight to its
-// expert-major position in the destination's caller memory. Included by dispatch.cu only.
+// expert-major position in the destination's caller memory, or (a.em_stage: the node's
+// ranks in several processes) in the destination's group-owned staging at the same
+// position, which the destination copies into its caller memory after the kernel
+// (k_em_stage_out, combine.cu). Included by dispatch.cu only.
 //
 // Positions (the host backend's, hybridep.h "Layouts"): at destination d, local expert e's
 // block starts at EB_d[e] = the padded sizes of the blocks before it; inside it the rows
@@ -264,7 +267,12 @@ static __device__ void em_push(const hep_kargs &a, const layout_smem &s, char **
     const int tid = threadIdx.x;
     if (!a.reuse)
         em_finalize(a, s);
-    if (tid < a.R) {
+    if (tid < a.R && a.em_stage) { /* across processes: the node-mates' staging */
+        char *base = a.x[tid];
+        s_x[tid] = base + a.em_xoff;
+        s_prob[tid] = (float *)(base + a.em_poff);
+        s_scale[tid] = a.em_soff ? (float *)(base + a.em_soff) : NULL;
+    } else if (tid < a.R) {
         const unsigned long long *f = a.flags[tid];
         s_x[tid] = (char *)(uintptr_t)ld_relaxed(f + HEP_FLAG_EM_TOKENS);
         s_prob[tid] = (float *)(uintptr_t)ld_relaxed(f + HEP_FLAG_EM_PROBS);

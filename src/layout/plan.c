@@ -81,7 +81,10 @@ int hep_config_check(const hep_config *c, int world)
         (rc = range("chunk_tokens", c->chunk_tokens, 0, 4096,
                     "0 = one chunk of max_tokens per inter-node slot")) ||
         (rc = range("max_recv_rows", c->max_recv_rows, 0, 1L << 30,
-                    "0 = world x max_tokens (the worst case)")))
+                    "0 = world x max_tokens (the worst case)")) ||
+        (rc = range("max_permuted_rows", c->max_permuted_rows, 0, 1L << 30,
+                    "0 = no expert-major staging (the expert-major layout across processes "
+                    "is then refused)")))
         return rc;
     if (c->dtype == HEP_DTYPE_BF16 && c->hidden % 8)
         return hep_fail(HEP_ERR_INVALID,
@@ -335,6 +338,19 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
     if (c->backend == HEP_BACKEND_HOST) /* what combine reads back (not the caller's ids) */
         add(&x, HEP_BUF_HANDLE_IDS, "handle.topk_idx", "both", "i32", 4,
             mul3(&x, T, (size_t)c->max_topk, 1), HEP_ARENA_LOCAL, 0);
+    if (c->backend != HEP_BACKEND_HOST && c->max_permuted_rows > 0) {
+        /* the expert-major staging across processes: dispatch lands [rows, H] rows (esize
+         * bytes a channel) here, combine [rows, H] BF16 expert outputs (2 bytes a channel),
+         * so a row has 2 H bytes, as exchange.token */
+        const size_t er = (size_t)c->max_permuted_rows;
+        p->max_permuted_rows = er;
+        add(&x, HEP_BUF_EM_TOKEN, "expert_major.token", "both", "bf16", 2, mul3(&x, er, H, 1),
+            HEP_ARENA_SHARED, 0);
+        add(&x, HEP_BUF_EM_PROB, "expert_major.prob", "both", "f32", 4, er, HEP_ARENA_SHARED, 0);
+        if (esize == 1)
+            add(&x, HEP_BUF_EM_SCALE, "expert_major.scaling_factor", "dispatch", "f32", 4,
+                mul3(&x, er, nscale, 1), HEP_ARENA_SHARED, 0);
+    }
     if (nodes > 1) {
         if (c->backend != HEP_BACKEND_HOST) /* the kernels' words to the proxy (the host
                                                backend's are in its flags buffers) */

@@ -36,6 +36,11 @@ typedef enum {
     HEP_BUF_HOST_COUNTS,
     HEP_BUF_PROXY,
     HEP_BUF_HANDLE_IDS, /* host backend: the dispatch's top-k ids (invalid ones as -1) */
+    /* GPU, config.max_permuted_rows > 0: the expert-major staging of the node's ranks in
+     * several processes (rows, one probability a row, FP8 scales), IPC-shared */
+    HEP_BUF_EM_TOKEN,
+    HEP_BUF_EM_PROB,
+    HEP_BUF_EM_SCALE,
     /* the 14 RDMA-registered inter-node buffers (N > 1) */
     HEP_BUF_D_ATTN_TOKEN,
     HEP_BUF_D_ATTN_FLAGS,
@@ -75,6 +80,7 @@ typedef struct hep_plan_buffer {
 typedef struct hep_plan {
     int nodes, ranks_per_node, world;
     size_t max_recv_rows;
+    size_t max_permuted_rows;       /* rows of the expert-major staging (0: none planned) */
     /* N > 1: each inter-node slot is a ring of `ring` positions of `chunk` tokens
      * (slot_tokens = ring x chunk); ring = 1 and chunk = T is one chunk per slot (the GPU
      * kernels, and config.chunk_tokens = 0) */

@@ -32,6 +32,14 @@ int hep_launch_copy_out(const hep_kargs *a, int blocks, void *stream)
 {
     return (void)a, (void)blocks, (void)stream, cudaErrorNoDevice;
 }
+int hep_launch_em_stage_out(const hep_kargs *a, int blocks, void *stream)
+{
+    return (void)a, (void)blocks, (void)stream, cudaErrorNoDevice;
+}
+int hep_launch_em_stage_in(const hep_kargs *a, int blocks, void *stream)
+{
+    return (void)a, (void)blocks, (void)stream, cudaErrorNoDevice;
+}
 int hep_launch_node_pack(const hep_kargs *a, int blocks, void *stream)
 {
     return (void)a, (void)blocks, (void)stream, cudaErrorNoDevice;
