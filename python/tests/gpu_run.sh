@@ -12,6 +12,9 @@
 #                  .gpu from bench/gpu_build.sh works)
 #   HEP_PYTHON     python with torch + CUDA (default python3); NPROC (default 8)
 #   PY_MPS_ONLY=1  only the example, the bench and the overhead script, under MPS
+#                  (PY_MPS_TESTS=1: and the GPU pytest tests, under MPS only)
+#   PY_GPU_TESTS   the GPU pytest tests to run (names in test_gpu.py; default: all)
+#   PY_BENCH_VARIANTS=0  leaves out the bench's side-stream and pinned runs
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 : "${HEP_BUILD_DIR:?set HEP_BUILD_DIR to a hybridep build directory (with src/libhybridep.so)}"
@@ -62,12 +65,14 @@ suite() { # label, allow
     run "$l: moe_layer.py x$np" 300 "$allow" "${trun[@]}" examples/moe_layer.py --backend gpu --sms 4
     if [ "$l" = mps ]; then
         run "$l: gpu_bench.py x$np" 300 pass "${trun[@]}" python/tests/gpu_bench.py
-        run "$l: gpu_bench.py x$np (side stream)" 300 pass "${trun[@]}" python/tests/gpu_bench.py --side-stream
-        run "$l: gpu_bench.py x$np (pinned)" 300 pass "${trun[@]}" python/tests/gpu_bench.py --bind-cpu
+        if [ "${PY_BENCH_VARIANTS:-1}" = 1 ]; then
+            run "$l: gpu_bench.py x$np (side stream)" 300 pass "${trun[@]}" python/tests/gpu_bench.py --side-stream
+            run "$l: gpu_bench.py x$np (pinned)" 300 pass "${trun[@]}" python/tests/gpu_bench.py --bind-cpu
+        fi
         run "$l: overhead.py x$np (no_sync)" 200 pass "${trun[@]}" python/tests/overhead.py --backend gpu
     fi
-    [ "${PY_MPS_ONLY:-0}" = 1 ] && return 0
-    for t in "${GPU_TESTS[@]}"; do # one pytest process each: one failure cannot poison the next
+    [ "${PY_MPS_ONLY:-0}" = 1 ] && [ "${PY_MPS_TESTS:-0}" != 1 ] && return 0
+    for t in ${PY_GPU_TESTS:-${GPU_TESTS[@]}}; do # one pytest process each: one failure cannot poison the next
         run "$l: $t" 300 "$allow" env HEP_PY_GPU_WORLD="$np" "$py" -m pytest -q -rs -s \
             "python/tests/test_gpu.py::$t"
     done
