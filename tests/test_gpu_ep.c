@@ -804,9 +804,18 @@ static int gpu_fault_rank(rank_ctx *r)
                 f->stage[r->rank] = "hep_combine";
                 f->rc_combine[r->rank] = hep_combine(g, &ca);
             }
-            /* cudaFree synchronizes the whole device: only once this rank's calls ended */
+            /* cudaFree synchronizes the whole device: only once this rank's calls ended and,
+             * when every rank runs them, every rank's did. A rank that frees while a peer's
+             * combine still waits for the loopback NIC blocks that NIC's proxy thread in its
+             * next CUDA call (the copy) until the device is idle, which it never is: with the
+             * day-long bound of this test that hung (4 of 4 runs on the H200 once the other
+             * node's partial sums came last) */
             f->stage[r->rank] = "cudaStreamSynchronize";
             cudaStreamSynchronize(st);
+            if (f->early < 0) {
+                f->stage[r->rank] = "barrier before freeing";
+                r->bs.barrier(r->bs.ctx);
+            }
             f->stage[r->rank] = "freeing inputs";
             snprintf(f->msg[r->rank], sizeof(f->msg[0]), "%s", hep_last_error());
             cudaFree(didx);
