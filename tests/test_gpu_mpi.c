@@ -399,6 +399,20 @@ static int device_of_rank(void)
 }
 
 /* A case: `calls` dispatch + combine rounds, each on fresh inputs, GPU against host. */
+/* The end of a case against the host backend: both groups destroyed, and the mismatches
+ * of every rank summed (a rank's own are reported here). */
+static int end_case(hep_group *gg, hep_group *gh, int bad, const char *name)
+{
+    int total = 0;
+    if (gg)
+        CHECK(hep_group_destroy(gg) == HEP_OK, "GPU destroy: %s", hep_last_error());
+    if (gh)
+        CHECK(hep_group_destroy(gh) == HEP_OK, "host destroy: %s", hep_last_error());
+    MPI_Allreduce(&bad, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    CHECK(bad == 0, "%s: %d mismatches against the host backend", name, bad);
+    return total;
+}
+
 static void case_vs_host(const char *name, int H, int T, int El, int K, int fp8, int index64,
                          int gpu_R, int calls, const hep_bootstrap *bs)
 {
@@ -424,12 +438,7 @@ static void case_vs_host(const char *name, int H, int T, int El, int K, int fp8,
             rc = HEP_ERR_INTERNAL;
         free_outputs(&og), free_outputs(&oh), free_inputs(&in);
     }
-    if (gg)
-        CHECK(hep_group_destroy(gg) == HEP_OK, "GPU destroy: %s", hep_last_error());
-    if (gh)
-        CHECK(hep_group_destroy(gh) == HEP_OK, "host destroy: %s", hep_last_error());
-    MPI_Allreduce(&bad, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-    CHECK(bad == 0, "%s: %d mismatches against the host backend", name, bad);
+    total = end_case(gg, gh, bad, name);
     if (rank == 0)
         printf("%s: %s (%d calls, %.1f s)\n", total || rc ? "FAILED" : "ok", name, calls,
                now_s() - t0);
@@ -966,12 +975,7 @@ static void case_permute(const char *name, int H, int T, int El, int K, int fp8,
         hep_handle_destroy(hh[q]), hep_handle_destroy(hg[q]);
         free_inputs(&in[q]);
     }
-    if (gg)
-        CHECK(hep_group_destroy(gg) == HEP_OK, "GPU destroy: %s", hep_last_error());
-    if (gh)
-        CHECK(hep_group_destroy(gh) == HEP_OK, "host destroy: %s", hep_last_error());
-    MPI_Allreduce(&bad, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
-    CHECK(bad == 0, "%s: %d mismatches against the host backend", name, bad);
+    total = end_case(gg, gh, bad, name);
     if (rank == 0)
         printf("%s: %s (budgets %d and %d rows, %.1f s)\n", total || rc ? "FAILED" : "ok", name,
                full, drop, now_s() - t0);

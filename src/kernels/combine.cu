@@ -655,16 +655,21 @@ __global__ void k_em_stage_in(hep_kargs a)
         pd[k] = __ldg(a.probs_in + k);
 }
 
+// The copy kernels: 512 threads a block, the kernel arguments by value.
+static int launch_copy(void (*k)(hep_kargs), const hep_kargs *a, int blocks, void *stream)
+{
+    k<<<blocks, 512, 0, (cudaStream_t)stream>>>(*a);
+    return (int)cudaGetLastError();
+}
+
 extern "C" int hep_launch_em_stage_out(const hep_kargs *a, int blocks, void *stream)
 {
-    k_em_stage_out<<<blocks, 512, 0, (cudaStream_t)stream>>>(*a);
-    return (int)cudaGetLastError();
+    return launch_copy(k_em_stage_out, a, blocks, stream);
 }
 
 extern "C" int hep_launch_em_stage_in(const hep_kargs *a, int blocks, void *stream)
 {
-    k_em_stage_in<<<blocks, 512, 0, (cudaStream_t)stream>>>(*a);
-    return (int)cudaGetLastError();
+    return launch_copy(k_em_stage_in, a, blocks, stream);
 }
 
 extern "C" int hep_launch_combine(const hep_kargs *a, int blocks, void *stream)
@@ -678,14 +683,12 @@ extern "C" int hep_launch_combine(const hep_kargs *a, int blocks, void *stream)
 
 extern "C" int hep_launch_copy_in(const hep_kargs *a, int blocks, void *stream)
 {
-    k_copy_in<<<blocks, 512, 0, (cudaStream_t)stream>>>(*a);
-    return (int)cudaGetLastError();
+    return launch_copy(k_copy_in, a, blocks, stream);
 }
 
 extern "C" int hep_launch_copy_out(const hep_kargs *a, int blocks, void *stream)
 {
-    k_copy_out<<<blocks, 512, 0, (cudaStream_t)stream>>>(*a);
-    return (int)cudaGetLastError();
+    return launch_copy(k_copy_out, a, blocks, stream);
 }
 
 extern "C" int hep_preload_combine(void)
