@@ -6,14 +6,31 @@ Differences, where our contents cannot be HybridEP's: the handle tuples hold our
 (rank-major) takes no probs (use the permute pair for the router gradient);
 dispatch_with_permute and combine_with_unpermute go through the C training API
 (hep_dispatch_ex with HEP_LAYOUT_EXPERT_MAJOR, hep_combine_ex with the probabilities),
-which raises HybridEPError (HEP_ERR_UNAVAILABLE, the library's message) where a backend
-lacks it: the GPU kernels until they implement it, the host backend across processes."""
+which raises HybridEPError (the library's message) where a backend lacks it (the GPU
+kernels across nodes, for one).
+
+One process per rank on the GPU (torchrun): the GPU kernels write expert-major rows into a
+group-owned staging (config.max_permuted_rows) there, since a node-mate's caller memory
+is in another process. Unless max_permuted_rows is given, the staging is sized as HybridEP
+sizes its non-blocking output: every row a rank can receive on one node, max tokens x
+ranks x min(top-k, local experts), plus the padding of a pad_multiple up to 128 per local
+expert, at 2 x hidden + 4 bytes a row (more with FP8 scales). Pass a smaller
+max_permuted_rows to spend less; a dispatch_with_permute whose num_permuted_tokens
+exceeds it is refused with a message that says so."""
 import torch
 
 from .buffer import Buffer, Handle, PermuteHandle, _ThreadRank
 
-TRAINING_API_ISSUE = ("the training-API issue (13: reusable handles, expert-major layout, "
-                      "probabilities through combine)")
+STAGING_PAD = 128  # the largest pad_multiple the default staging leaves room for
+
+
+def default_staging_rows(max_tokens, ranks_per_node, num_local_experts, max_topk):
+    """The staging rows that never refuse a dispatch_with_permute on one node: every token
+    of every node-mate on min(top-k, local experts) of this rank's experts, each local
+    expert's block padded to a multiple of up to STAGING_PAD rows."""
+    rows = (max_tokens * ranks_per_node * min(max_topk, num_local_experts)
+            + num_local_experts * (STAGING_PAD - 1))
+    return (rows + STAGING_PAD - 1) // STAGING_PAD * STAGING_PAD
 
 
 def _routing_to_topk(routing_map, probs):
@@ -46,10 +63,16 @@ class HybridEPBuffer:
         ranks_per_node = min(nvlink_domain_size, self.group_size) if nvlink_domain_size else None
         self.num_of_experts_per_rank = num_local_experts
         self.use_fp8 = use_fp8
+        max_topk = max_topk or min(32, num_local_experts * self.group_size)
+        if (max_permuted_rows is None and backend == "gpu" and not isinstance(group, _ThreadRank)
+                and (ranks_per_node is None or ranks_per_node >= self.group_size)):
+            # processes of one node: the permute pair needs the staging (see above)
+            max_permuted_rows = default_staging_rows(max_num_of_tokens_per_rank,
+                                                     self.group_size, num_local_experts,
+                                                     max_topk)
         self._buf = Buffer(group, hidden_dim, max_num_of_tokens_per_rank, num_local_experts,
                            use_fp8=use_fp8, num_sms=sms, ranks_per_node=ranks_per_node,
-                           backend=backend, max_topk=max_topk or min(
-                               32, num_local_experts * self.group_size),
+                           backend=backend, max_topk=max_topk,
                            max_permuted_rows=max_permuted_rows)
         self.num_of_ranks_per_node = self._buf.ranks_per_node
         self.num_of_nodes = self._buf.num_nodes
@@ -84,7 +107,7 @@ class HybridEPBuffer:
         if probs is not None:
             raise NotImplementedError("combine with probs: the rank-major combine carries no "
                                       "probabilities here; dispatch_with_permute and "
-                                      "combine_with_unpermute carry them (" + TRAINING_API_ISSUE + ")")
+                                      "combine_with_unpermute carry them")
         return self._buf.combine(hidden, handle[0]), None
 
     def dispatch_with_permute(self, *, hidden, topk_idx=None, topk_weights=None,

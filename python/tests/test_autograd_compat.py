@@ -147,3 +147,17 @@ def _compat(rank, world):
 
 def test_hybridep_compat_buffer_takes_hybridep_calls():
     run_ranks(_compat, 2)
+
+
+def test_compat_default_staging_holds_every_row_a_rank_can_receive_on_one_node():
+    """HybridEPBuffer's default max_permuted_rows for processes on the GPU: every token of
+    every node-mate on min(top-k, E_l) local experts, plus a pad of up to 128 rows per local
+    expert, in whole pads; and dispatch_with_permute's largest default budget fits in it."""
+    from hybridep.compat import STAGING_PAD, default_staging_rows
+    for T, R, El, K in [(4096, 8, 32, 8), (9, 3, 3, 3), (1, 2, 4, 8), (128, 4, 1, 2)]:
+        rows = default_staging_rows(T, R, El, K)
+        assert rows % STAGING_PAD == 0
+        need = T * R * min(K, El) + El * (STAGING_PAD - 1)
+        assert need <= rows < need + STAGING_PAD
+    # the bench shape: 262,144 rows + 32 x 127 padding = 266,208, in whole pads of 128
+    assert default_staging_rows(4096, 8, 32, 8) == 266240
