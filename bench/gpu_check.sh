@@ -21,7 +21,8 @@
 #     training API's GPU tests run in `test`) (not part of `all`: name it)
 #   nodesms: the 2 x 4 and 4 x 2 benches (BF16) at NODE_SMS (8 12 16) SMs per rank: how the
 #     loopback NIC's copies fare with more SMs left free (not part of `all`: name it)
-#   TEST_FILTER: a cmocka pattern (e.g. '*huge_timeout*') for the cases `test` runs
+#   TEST_FILTER: a cmocka pattern (e.g. '*huge_timeout*') for the test_gpu_ep cases `test`
+#     runs; TRAIN_TEST_FILTER the same for test_gpu_train
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hep-gpu}
@@ -44,7 +45,7 @@ if want test; then
     HEP_GPU_TEST_FILTER=${TEST_FILTER:-} timeout 300 $B/test_gpu_ep
     echo "test_gpu_ep exit: $?"
     step "GPU tests of the training API (handles, caller outputs, probabilities, capacity)"
-    timeout 180 $B/test_gpu_train
+    HEP_GPU_TEST_FILTER=${TRAIN_TEST_FILTER:-} timeout 180 $B/test_gpu_train
     echo "test_gpu_train exit: $?"
   } > "$OUT/test.txt" 2>&1
   grep -vE '^\[ *(RUN|OK) \]|unavailable; using DMA-BUF' "$OUT/test.txt" | tail -60

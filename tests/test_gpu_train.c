@@ -1154,5 +1154,8 @@ int main(void)
         printf("skipped: no usable GPU: %s\n", hep_last_error());
         return 77;
     }
+    /* e.g. "*graph_replays*": those cases only (unset or empty: all), as in test_gpu_ep */
+    if (getenv("HEP_GPU_TEST_FILTER") && *getenv("HEP_GPU_TEST_FILTER"))
+        cmocka_set_test_filter(getenv("HEP_GPU_TEST_FILTER"));
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
