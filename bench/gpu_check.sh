@@ -19,6 +19,8 @@
 #     (not part of `all`: name it); STRESS_PLAIN=0 leaves the plain run out
 #   train: hybridep bench --layout expert --pad-multiple 128 (TRAIN_DTYPES: bf16 fp8; the
 #     training API's GPU tests run in `test`) (not part of `all`: name it)
+#   profile: Nsight Compute on the one-rank dispatch and combine at PROFILE_SMS (16) SMs: the
+#     speed-of-light, memory, warp-state and scheduler sections (not part of `all`: name it)
 #   nodesms: the 2 x 4 and 4 x 2 benches (BF16) at NODE_SMS (8 12 16) SMs per rank: how the
 #     loopback NIC's copies fare with more SMs left free (not part of `all`: name it)
 #   TEST_FILTER: a cmocka pattern (e.g. '*huge_timeout*') for the test_gpu_ep cases `test`
@@ -120,6 +122,28 @@ if named nodesms; then
     done
   } > "$OUT/bench_nodesms.txt" 2>&1
   grep -E '^===|^(dispatch|combine) |verified|loopback copies|rror|timed out' "$OUT/bench_nodesms.txt"
+fi
+if named profile; then
+  {
+    # Nsight Compute on one rank (profiling serializes kernels: co-dependent ranks cannot
+    # meet under it): where the dispatch and combine warps wait, at PROFILE_SMS (16) SMs
+    NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
+    if [ -z "$NCU" ]; then
+      echo "profile: no ncu on this machine: not profiled"
+    else
+      for k in k_dispatch k_combine; do
+        step "ncu $k: hybridep bench --ranks-per-node 1 --experts-per-rank 8 --topk 8 --sms ${PROFILE_SMS:-16}"
+        timeout 240 "$NCU" --kernel-name "regex:$k" --launch-skip 3 --launch-count 1 \
+          --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+          --section SchedulerStats --section Occupancy \
+          $B/hybridep bench --ranks-per-node 1 --experts-per-rank 8 --topk 8 \
+          --sms "${PROFILE_SMS:-16}" --iters 3 --warmup 2
+        echo "ncu $k exit: $?"
+      done
+    fi
+  } > "$OUT/profile.txt" 2>&1
+  grep -E "^===|exit|Throughput|Stall|Warp Cycles|Issued|Eligible|Active Warps|Duration|not profiled" \
+    "$OUT/profile.txt" | head -60
 fi
 if want mpi; then
   step "mpirun -np 8: the GPU backend, one process per rank (CUDA IPC), with and without MPS"

@@ -52,23 +52,35 @@ def main():
         side.wait_stream(torch.cuda.current_stream())
         torch.cuda.set_stream(side)
     now = lambda: time.clock_gettime(time.CLOCK_MONOTONIC)
-    marks = []
+    marks, split = [], []
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
     for it in range(a.iters + a.warmup):
         dist.barrier()
         t0 = now()
+        ev[0].record()
         tok, pr, _, tpe, h = buf.dispatch(x, idx, w, copy=False)  # synchronous: waits
+        ev[1].record()
         t1 = now()
         dist.barrier()
         t2 = now()
+        ev[2].record()
         buf.combine(tok, h, out=out)  # rows in the group's combine input: no copy
+        ev[3].record()
+        t2b = now()
         torch.cuda.current_stream().synchronize()
         t3 = now()
         if it >= a.warmup:
             marks.append((t0, t1, t2, t3))
+            # where a call's time goes: the combine call itself (the C call blocks until
+            # its stream is done), the synchronize after it, and each phase's stream time
+            # between events recorded around the call
+            split.append((t2b - t2, t3 - t2b, ev[0].elapsed_time(ev[1]) / 1e3,
+                          ev[2].elapsed_time(ev[3]) / 1e3))
     rows = h.num_recv
     buf.close()
-    allm = [None] * world
+    allm, alls = [None] * world, [None] * world
     dist.all_gather_object(allm, (marks, rows))
+    dist.all_gather_object(alls, split)
     if rank == 0:
         d = [max(m[0][i][1] for m in allm) - max(m[0][i][0] for m in allm) for i in range(a.iters)]
         c = [max(m[0][i][3] for m in allm) - max(m[0][i][2] for m in allm) for i in range(a.iters)]
@@ -89,6 +101,11 @@ def main():
               "rank  (%.0f rows per rank)" % (md, od * 1e3, per_rank * rb / md * 1e-6, per_rank))
         print("  combine  %8.3f ms  (slowest rank's own call %8.3f ms)  %7.1f GB/s algbw per "
               "rank" % (mc, oc * 1e3, per_rank * rb / mc * 1e-6))
+        worst = [max(statistics.median(sp[i][j] for i in range(a.iters)) for sp in alls)
+                 for j in range(4)]
+        print("  split (slowest rank's medians): combine call %.3f ms + synchronize after it "
+              "%.3f ms; stream time between events: dispatch %.3f ms, combine %.3f ms"
+              % tuple(v * 1e3 for v in worst))
         print("PYBENCH dispatch_ms=%.4f combine_ms=%.4f" % (md, mc))
     dist.destroy_process_group()
 
