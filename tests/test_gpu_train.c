@@ -283,7 +283,18 @@ typedef struct rank_bufs {
     float *sc[2], *w[2], *pin, *pout;
     void *rtok[STEPS];
     float *rprob[STEPS], *rscale[STEPS];
+    const hep_bootstrap *settle; /* GPU runs: every rank ends a step's copies here */
 } rank_bufs;
+
+/* The end of a step's copies to the host, on every rank before any starts the next call.
+ * Under compute-sanitizer a copy waits for every kernel on the device: without this, one
+ * rank's copy waits for a node-mate's next kernel, which waits for this rank (both ran
+ * into their timeouts under memcheck on the H200). */
+static void settle(const rank_bufs *b)
+{
+    if (b->settle)
+        b->settle->barrier(b->settle->ctx);
+}
 
 #define FAIL(...)                                                                                \
     do {                                                                                         \
@@ -389,6 +400,7 @@ static void save_dispatch(tcase *c, struct rout *o, const mem *m, rank_bufs *b, 
     o->rows[s] = m_get(m, b->rtok[s], n * rbytes(c));
     o->probs[s] = m_get(m, b->rprob[s], n * EL * sizeof(float));
     o->scales[s] = c->fp8 ? m_get(m, b->rscale[s], n * ns * sizeof(float)) : NULL;
+    settle(b);
 }
 
 /* Expert-major step s: the words and tokens per expert (from the host fields, or with
@@ -415,12 +427,14 @@ static void save_em(tcase *c, struct rout *o, const mem *m, rank_bufs *b, int s,
     o->rows[s] = m_get(m, b->rtok[s], n * rbytes(c));
     o->probs[s] = m_get(m, b->rprob[s], n * sizeof(float));
     o->scales[s] = c->fp8 ? m_get(m, b->rscale[s], n * ns * sizeof(float)) : NULL;
+    settle(b);
 }
 
 static void save_combine(tcase *c, struct rout *o, const mem *m, rank_bufs *b, int s, int t)
 {
     o->comb[s] = m_get(m, b->out, (size_t)t * c->H * 2);
     o->pout[s] = m_get(m, b->pout, (size_t)t * EL * c->W * sizeof(float));
+    settle(b);
 }
 
 static hep_dispatch_opts opts_into(rank_bufs *b, hep_handle *h, int s)
@@ -599,6 +613,8 @@ static int run_rank(rank_ctx *x)
         FAIL("rank %d: create: %s", r, hep_last_error());
     if (setup_bufs(c, r, &m, g, &b) || hep_handle_create(g, &hA) || hep_handle_create(g, &hB))
         FAIL("rank %d: buffers or handles: %s", r, hep_last_error());
+    if (c->gpu)
+        b.settle = &x->bs;
     if (c->cap_mode == 1) {
         /* exactly the capacity: fits */
         xo = opts_into(&b, hA, 0);
