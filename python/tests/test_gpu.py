@@ -186,6 +186,30 @@ def _permute_needs_the_staging(rank, world):
     return True
 
 
+def _compat_permute_default(rank, world):
+    """HybridEPBuffer with no max_permuted_rows, one process per rank: the staging is sized
+    by itself (compat.default_staging_rows) and the permute pair runs, as code written for
+    HybridEP calls it, with the rows plain torch expects."""
+    from hybridep.compat import HybridEPBuffer, default_staging_rows
+    from test_permute import expected_permute, EL as PEL, H as PH, K as PK, T as PT
+    torch.cuda.set_device(0)
+    buf = HybridEPBuffer(None, PH, PT, PEL, num_sms_dispatch_api=4, num_sms_combine_api=4,
+                         backend="gpu", max_topk=PK)
+    try:
+        assert buf.buffer.max_permuted_rows == default_staging_rows(PT, world, PEL, PK)
+        all_in = [ref.inputs(91, r, PT, PH, PEL * world, PK) for r in range(world)]
+        x, i, w, _ = all_in[rank]
+        tok, pr, _, tpe, h = buf.dispatch_with_permute(hidden=x.cuda(), topk_idx=i.cuda(),
+                                                       topk_weights=w.cuda(), pad_multiple=16)
+        etok, epr, etpe, _ = expected_permute(all_in, rank, 16, h[0].budget)
+        assert torch.equal(tpe.cpu(), etpe) and torch.equal(tok.cpu(), etok), \
+            "rank %d: the compat permute rows differ" % rank
+        assert torch.equal(pr.cpu(), epr), "rank %d: the compat row probabilities differ" % rank
+    finally:
+        buf.close()
+    return True
+
+
 @needs_gpu
 def test_dispatch_with_permute_on_the_gpu_runs_or_raises_the_library_message():
     """(The name is kept for bench/gpu_run.sh.) The permute pair runs across processes and
@@ -194,3 +218,4 @@ def test_dispatch_with_permute_on_the_gpu_runs_or_raises_the_library_message():
     print("dispatch_with_permute on the GPU:", out[0])
     assert all(v.startswith("ran") for v in out.values()), out
     run_ranks(_permute_needs_the_staging, WORLD, timeout=300)
+    run_ranks(_compat_permute_default, WORLD, timeout=300)
