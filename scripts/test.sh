@@ -51,6 +51,7 @@ cmake -S examples -B build/examples -DCMAKE_PREFIX_PATH="$prefix" >build/example
     { cat build/examples.configure.log; exit 1; }
 cmake --build build/examples -j"$jobs" >/dev/null
 build/examples/host_inproc >/dev/null
+build/examples/train_step >/dev/null
 if [ -x build/examples/mpi_group ]; then
     OMPI_MCA_btl=self,vader mpirun --allow-run-as-root --oversubscribe -np 1 build/examples/mpi_group >/dev/null
 fi
