@@ -544,6 +544,19 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
         em_wait_readers(a, c);
 }
 
+// Every node-mate finished reading this rank's buffers in the previous combine
+// (COMBINE_DONE >= its count; at once unless two combines follow each other): the
+// copy-in kernels may overwrite them. false when a wait gave up.
+__device__ __forceinline__ bool mates_done_reading(const hep_kargs &a)
+{
+    const unsigned long long prev = *a.cepoch;
+    bool ok = true;
+    if (threadIdx.x < a.R)
+        ok = wait_mate(a, a.flags[threadIdx.x] + HEP_FLAG_COMBINE_DONE, prev, HEP_STAGE_COMBINE,
+                       threadIdx.x);
+    return block_all(ok);
+}
+
 // Copy the caller's expert outputs into this rank's X and its probs_in into its prob
 // buffer (count read on the device), once every node-mate finished reading them in the
 // previous combine (COMBINE_DONE; at once unless two combines follow each other).
@@ -553,12 +566,7 @@ __global__ void k_copy_in(hep_kargs a)
     const size_t rows = (size_t)*a.recv_count, total = rows * nvec;
     const uint4 *src = (const uint4 *)a.combine_in;
     uint4 *dst = (uint4 *)a.x[a.local];
-    const unsigned long long prev = *a.cepoch;
-    bool ok = true;
-    if (threadIdx.x < a.R)
-        ok = wait_mate(a, a.flags[threadIdx.x] + HEP_FLAG_COMBINE_DONE, prev, HEP_STAGE_COMBINE,
-                       threadIdx.x);
-    if (!block_all(ok))
+    if (!mates_done_reading(a))
         return;
     for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; src && k < total;
          k += (size_t)gridDim.x * blockDim.x) {
@@ -639,12 +647,7 @@ __global__ void k_em_stage_in(hep_kargs a)
     const size_t step = (size_t)gridDim.x * blockDim.x;
     const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     char *base = a.x[a.local];
-    const unsigned long long prev = *a.cepoch;
-    bool ok = true;
-    if (threadIdx.x < a.R)
-        ok = wait_mate(a, a.flags[threadIdx.x] + HEP_FLAG_COMBINE_DONE, prev, HEP_STAGE_COMBINE,
-                       threadIdx.x);
-    if (!block_all(ok))
+    if (!mates_done_reading(a))
         return;
     const uint4 *src = (const uint4 *)a.combine_in;
     uint4 *dst = (uint4 *)(base + a.em_xoff);
