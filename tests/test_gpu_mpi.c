@@ -230,12 +230,44 @@ typedef struct call_opts {
 } call_opts;
 
 /* One dispatch + combine on g (GPU: device copies of the inputs on `stream`). */
+/* The dispatch inputs where the backend reads them: device copies (gpu; freed by
+ * unstage_inputs) or the host arrays themselves. */
+typedef struct staged {
+    void *tok, *idx, *w, *sc;
+    int own;
+} staged;
+
+static staged stage_inputs(const inputs *in, int gpu, size_t rb, int ns)
+{
+    const size_t t = (size_t)in->t, K = (size_t)in->K;
+    staged s = {in->tokens, in->idx, in->weights, in->scales, 0};
+    if (!gpu)
+        return s;
+    s.own = 1;
+    s.tok = dalloc(rb * t + 16), s.idx = dalloc(t * K * 8 + 16), s.w = dalloc(t * K * 4 + 16);
+    s.sc = dalloc(t * (size_t)ns * 4 + 16);
+    dcopy(s.tok, in->tokens, rb * t);
+    dcopy(s.idx, in->idx, t * K * (in->index64 ? 8 : 4));
+    dcopy(s.w, in->weights, t * K * 4);
+    if (in->fp8)
+        dcopy(s.sc, in->scales, t * (size_t)ns * 4);
+    return s;
+}
+
+static void unstage_inputs(staged *s)
+{
+    if (s->own)
+        dfree(s->tok), dfree(s->idx), dfree(s->w), dfree(s->sc);
+    s->own = 0;
+}
+
 static void run_call(hep_group *g, int gpu, const hep_config *c, const inputs *in,
                      const call_opts *co, outputs *o)
 {
     const int H = c->hidden, El = c->experts_per_rank, ns = H / 128;
-    const size_t rb = (size_t)H * (in->fp8 ? 1 : 2), t = (size_t)in->t, K = (size_t)in->K;
-    void *dtok = NULL, *didx = NULL, *dw = NULL, *dsc = NULL, *dout = NULL, *dexp = NULL;
+    const size_t rb = (size_t)H * (in->fp8 ? 1 : 2), t = (size_t)in->t;
+    void *dout = NULL, *dexp = NULL;
+    staged sin = stage_inputs(in, gpu, rb, ns);
     hep_dispatch_args da;
     hep_dispatch_result dr;
     hep_combine_args ca;
@@ -246,23 +278,10 @@ static void run_call(hep_group *g, int gpu, const hep_config *c, const inputs *i
     da.topk = in->K;
     da.index_type = in->index64 ? HEP_INDEX_INT64 : HEP_INDEX_INT32;
     da.flags = co->flags;
-    if (gpu) {
-        dtok = dalloc(rb * t + 16);
-        didx = dalloc(t * K * 8 + 16);
-        dw = dalloc(t * K * 4 + 16);
-        dsc = dalloc(t * (size_t)ns * 4 + 16);
-        dcopy(dtok, in->tokens, rb * t);
-        dcopy(didx, in->idx, t * K * (in->index64 ? 8 : 4));
-        dcopy(dw, in->weights, t * K * 4);
-        if (in->fp8)
-            dcopy(dsc, in->scales, t * (size_t)ns * 4);
-        da.tokens = dtok, da.topk_idx = didx, da.topk_weights = dw;
-        da.scales = in->fp8 ? dsc : NULL;
+    da.tokens = sin.tok, da.topk_idx = sin.idx, da.topk_weights = sin.w;
+    da.scales = in->fp8 ? sin.sc : NULL;
+    if (gpu)
         da.stream = stream;
-    } else {
-        da.tokens = in->tokens, da.topk_idx = in->idx, da.topk_weights = in->weights;
-        da.scales = in->fp8 ? in->scales : NULL;
-    }
     o->rc_d = hep_dispatch(g, &da, &dr);
     CHECK(o->rc_d == HEP_OK, "%s dispatch: %s", gpu ? "GPU" : "host", hep_last_error());
     if (o->rc_d != HEP_OK)
@@ -330,7 +349,8 @@ static void run_call(hep_group *g, int gpu, const hep_config *c, const inputs *i
     }
     free(exp_rows);
 out:
-    dfree(dtok), dfree(didx), dfree(dw), dfree(dsc), dfree(dout), dfree(dexp);
+    unstage_inputs(&sin);
+    dfree(dout), dfree(dexp);
 }
 
 /* GPU outputs against the host backend's: every element; exact unless tol > 0 (combine
@@ -721,9 +741,9 @@ static void em_dispatch(hep_group *g, int gpu, const hep_config *c, const inputs
                         unsigned flags, hep_handle *h, int reuse, int pad, int budget, em_out *o)
 {
     const int H = c->hidden, El = c->experts_per_rank, ns = H / 128;
-    const size_t rb = (size_t)H * (in->fp8 ? 1 : 2), t = (size_t)in->t, K = (size_t)in->K;
+    const size_t rb = (size_t)H * (in->fp8 ? 1 : 2);
     const size_t B = (size_t)budget;
-    void *dtok = NULL, *didx = NULL, *dw = NULL, *dsc = NULL;
+    staged sin = stage_inputs(in, gpu, rb, ns);
     hep_dispatch_args da;
     hep_dispatch_opts xo;
     hep_dispatch_result dr;
@@ -734,22 +754,12 @@ static void em_dispatch(hep_group *g, int gpu, const hep_config *c, const inputs
     da.topk = reuse ? 0 : in->K;
     da.index_type = in->index64 ? HEP_INDEX_INT64 : HEP_INDEX_INT32;
     da.flags = flags | (reuse ? HEP_REUSE_LAYOUT : 0u);
-    if (gpu) {
-        dtok = dalloc(rb * t + 16), didx = dalloc(t * K * 8 + 16), dw = dalloc(t * K * 4 + 16);
-        dsc = dalloc(t * (size_t)ns * 4 + 16);
-        dcopy(dtok, in->tokens, rb * t);
-        dcopy(didx, in->idx, t * K * (in->index64 ? 8 : 4));
-        dcopy(dw, in->weights, t * K * 4);
-        if (in->fp8)
-            dcopy(dsc, in->scales, t * (size_t)ns * 4);
+    if (gpu)
         da.stream = stream;
-    } else {
-        dtok = in->tokens, didx = in->idx, dw = in->weights, dsc = in->scales;
-    }
-    da.tokens = dtok;
-    da.topk_idx = reuse ? NULL : didx;
-    da.topk_weights = reuse ? NULL : dw;
-    da.scales = in->fp8 ? dsc : NULL;
+    da.tokens = sin.tok;
+    da.topk_idx = reuse ? NULL : sin.idx;
+    da.topk_weights = reuse ? NULL : sin.w;
+    da.scales = in->fp8 ? sin.sc : NULL;
     xo.handle = h;
     xo.layout = HEP_LAYOUT_EXPERT_MAJOR;
     xo.pad_multiple = pad;
@@ -785,8 +795,8 @@ static void em_dispatch(hep_group *g, int gpu, const hep_config *c, const inputs
         if (in->fp8)
             dcopy(o->scale, xo.recv_scales, 4 * (size_t)ns * n);
     }
+    unstage_inputs(&sin);
     if (gpu) {
-        dfree(dtok), dfree(didx), dfree(dw), dfree(dsc);
         dfree(xo.recv_tokens), dfree(xo.recv_probs), dfree(xo.recv_scales);
     } else {
         free(xo.recv_tokens), free(xo.recv_probs), free(xo.recv_scales);
