@@ -539,56 +539,29 @@ static void across_nodes(int N, int R, int chunk, int fp8, int pad, int budget)
     run_tcase(&c);
 }
 
-static void probs_2x2_chunk_1_pad_1_match_oracle(void **s)
+/* The cases across virtual nodes: N x R, ring chunk, FP8, pad_multiple, budget. */
+typedef struct nodes_case {
+    int N, R, chunk, fp8, pad, budget;
+} nodes_case;
+
+static void probs_across_nodes(void **s)
 {
-    (void)s;
-    across_nodes(2, 2, 1, 0, 1, BIG_BUDGET);
+    const nodes_case *c = *s;
+    across_nodes(c->N, c->R, c->chunk, c->fp8, c->pad, c->budget);
 }
-static void probs_2x2_chunk_3_pad_16_match_oracle(void **s)
-{
-    (void)s;
-    across_nodes(2, 2, 3, 0, 16, BIG_BUDGET);
-}
-static void probs_2x4_chunk_1_pad_16_match_oracle(void **s)
-{
-    (void)s;
-    across_nodes(2, 4, 1, 0, 16, BIG_BUDGET);
-}
-static void probs_2x4_chunk_3_pad_1_match_oracle(void **s)
-{
-    (void)s;
-    across_nodes(2, 4, 3, 0, 1, BIG_BUDGET);
-}
-static void probs_4x2_chunk_3_pad_16_match_oracle(void **s)
-{
-    (void)s;
-    across_nodes(4, 2, 3, 0, 16, BIG_BUDGET);
-}
-static void probs_4x2_chunk_1_pad_1_match_oracle(void **s)
-{
-    (void)s;
-    across_nodes(4, 2, 1, 0, 1, BIG_BUDGET);
-}
-static void probs_2x4_budget_overflow_drops_last_rows(void **s)
-{
-    (void)s;
-    across_nodes(2, 4, 3, 0, 16, 48);
-}
-static void probs_fp8_2x2_chunk_3_pad_16_match_oracle(void **s)
-{
-    (void)s;
-    across_nodes(2, 2, 3, 1, 16, BIG_BUDGET);
-}
-static void probs_fp8_2x4_chunk_1_pad_16_match_oracle(void **s)
-{
-    (void)s;
-    across_nodes(2, 4, 1, 1, 16, BIG_BUDGET);
-}
-static void probs_fp8_4x2_chunk_1_pad_1_match_oracle(void **s)
-{
-    (void)s;
-    across_nodes(4, 2, 1, 1, 1, BIG_BUDGET);
-}
+
+static nodes_case nodes_cases[] = {
+    {2, 2, 1, 0, 1, BIG_BUDGET}, /* probs_2x2_chunk_1_pad_1_match_oracle */
+    {2, 2, 3, 0, 16, BIG_BUDGET}, /* probs_2x2_chunk_3_pad_16_match_oracle */
+    {2, 4, 1, 0, 16, BIG_BUDGET}, /* probs_2x4_chunk_1_pad_16_match_oracle */
+    {2, 4, 3, 0, 1, BIG_BUDGET}, /* probs_2x4_chunk_3_pad_1_match_oracle */
+    {4, 2, 3, 0, 16, BIG_BUDGET}, /* probs_4x2_chunk_3_pad_16_match_oracle */
+    {4, 2, 1, 0, 1, BIG_BUDGET}, /* probs_4x2_chunk_1_pad_1_match_oracle */
+    {2, 4, 3, 0, 16, 48}, /* probs_2x4_budget_overflow_drops_last_rows */
+    {2, 2, 3, 1, 16, BIG_BUDGET}, /* probs_fp8_2x2_chunk_3_pad_16_match_oracle */
+    {2, 4, 1, 1, 16, BIG_BUDGET}, /* probs_fp8_2x4_chunk_1_pad_16_match_oracle */
+    {4, 2, 1, 1, 1, BIG_BUDGET}, /* probs_fp8_4x2_chunk_1_pad_1_match_oracle */
+};
 
 /* The oracle itself sees what the cases claim to cover. */
 static void cases_cover_empty_expert_every_expert_and_overflow(void **s)
@@ -881,16 +854,16 @@ int main(int argc, char **argv)
         cmocka_unit_test(expert_major_pad_128_matches_oracle),
         cmocka_unit_test(expert_major_budget_overflow_drops_last_rows),
         cmocka_unit_test(expert_major_across_two_nodes_matches_oracle),
-        cmocka_unit_test(probs_2x2_chunk_1_pad_1_match_oracle),
-        cmocka_unit_test(probs_2x2_chunk_3_pad_16_match_oracle),
-        cmocka_unit_test(probs_2x4_chunk_1_pad_16_match_oracle),
-        cmocka_unit_test(probs_2x4_chunk_3_pad_1_match_oracle),
-        cmocka_unit_test(probs_4x2_chunk_3_pad_16_match_oracle),
-        cmocka_unit_test(probs_4x2_chunk_1_pad_1_match_oracle),
-        cmocka_unit_test(probs_2x4_budget_overflow_drops_last_rows),
-        cmocka_unit_test(probs_fp8_2x2_chunk_3_pad_16_match_oracle),
-        cmocka_unit_test(probs_fp8_2x4_chunk_1_pad_16_match_oracle),
-        cmocka_unit_test(probs_fp8_4x2_chunk_1_pad_1_match_oracle),
+        {"probs_2x2_chunk_1_pad_1_match_oracle", probs_across_nodes, NULL, NULL, &nodes_cases[0]},
+        {"probs_2x2_chunk_3_pad_16_match_oracle", probs_across_nodes, NULL, NULL, &nodes_cases[1]},
+        {"probs_2x4_chunk_1_pad_16_match_oracle", probs_across_nodes, NULL, NULL, &nodes_cases[2]},
+        {"probs_2x4_chunk_3_pad_1_match_oracle", probs_across_nodes, NULL, NULL, &nodes_cases[3]},
+        {"probs_4x2_chunk_3_pad_16_match_oracle", probs_across_nodes, NULL, NULL, &nodes_cases[4]},
+        {"probs_4x2_chunk_1_pad_1_match_oracle", probs_across_nodes, NULL, NULL, &nodes_cases[5]},
+        {"probs_2x4_budget_overflow_drops_last_rows", probs_across_nodes, NULL, NULL, &nodes_cases[6]},
+        {"probs_fp8_2x2_chunk_3_pad_16_match_oracle", probs_across_nodes, NULL, NULL, &nodes_cases[7]},
+        {"probs_fp8_2x4_chunk_1_pad_16_match_oracle", probs_across_nodes, NULL, NULL, &nodes_cases[8]},
+        {"probs_fp8_4x2_chunk_1_pad_1_match_oracle", probs_across_nodes, NULL, NULL, &nodes_cases[9]},
         cmocka_unit_test(expert_major_fp8_rows_carry_their_scales),
         cmocka_unit_test(bad_handles_and_options_are_refused_with_reasons),
     };
