@@ -56,24 +56,24 @@ def main():
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
     for it in range(a.iters + a.warmup):
         dist.barrier()
+        ev[0].record()  # the events bracket each call on the stream, outside its host time
         t0 = now()
-        ev[0].record()
         tok, pr, _, tpe, h = buf.dispatch(x, idx, w, copy=False)  # synchronous: waits
-        ev[1].record()
         t1 = now()
+        ev[1].record()
         dist.barrier()
-        t2 = now()
         ev[2].record()
+        t2 = now()
         buf.combine(tok, h, out=out)  # rows in the group's combine input: no copy
-        ev[3].record()
         t2b = now()
+        ev[3].record()
         torch.cuda.current_stream().synchronize()
         t3 = now()
         if it >= a.warmup:
             marks.append((t0, t1, t2, t3))
             # where a call's time goes: the combine call itself (the C call blocks until
-            # its stream is done), the synchronize after it, and each phase's stream time
-            # between events recorded around the call
+            # its stream is done), the synchronize after it (an event record included), and
+            # each phase's stream time between events recorded around the call
             split.append((t2b - t2, t3 - t2b, ev[0].elapsed_time(ev[1]) / 1e3,
                           ev[2].elapsed_time(ev[3]) / 1e3))
     rows = h.num_recv
