@@ -1,8 +1,9 @@
 """The bench through the package on the GPU (torchrun, one process per rank): dispatch and
-combine phase times measured the way `hybridep bench` measures them (from the last rank's
-start to the last rank's end, CLOCK_MONOTONIC, which the processes of one host share;
-median over the iterations), at the bench's default shape, with the zero-copy outputs
-(copy=False) as the C bench uses them. gpu_run.sh prints them beside the C bench's.
+combine phase times measured as the C bench across processes (`test_gpu_mpi bench`)
+measures them: from the last rank's call to the last rank's return of its (synchronous)
+call, CLOCK_MONOTONIC, which the processes of one host share; median over the iterations.
+At the bench's default shape, with the zero-copy outputs (copy=False) as the C bench uses
+them. The events and the synchronize that read them lie outside each call's window. gpu_run.sh prints them beside the C bench's.
 Prints `PYBENCH dispatch_ms=... combine_ms=...` on rank 0."""
 import argparse
 import os
@@ -65,16 +66,17 @@ def main():
         ev[2].record()
         t2 = now()
         buf.combine(tok, h, out=out)  # rows in the group's combine input: no copy
-        t2b = now()
+        t3 = now()  # the call is synchronous: its stream is done when it returns
         ev[3].record()
-        torch.cuda.current_stream().synchronize()
-        t3 = now()
+        torch.cuda.current_stream().synchronize()  # the events, outside the call's window
+        t3b = now()
         if it >= a.warmup:
             marks.append((t0, t1, t2, t3))
             # where a call's time goes: the combine call itself (the C call blocks until
-            # its stream is done), the synchronize after it (an event record included), and
-            # each phase's stream time between events recorded around the call
-            split.append((t2b - t2, t3 - t2b, ev[0].elapsed_time(ev[1]) / 1e3,
+            # its stream is done), the bench's own synchronize after it (an event record
+            # included; not part of the call), and each phase's stream time between events
+            # recorded around the call
+            split.append((t3 - t2, t3b - t3, ev[0].elapsed_time(ev[1]) / 1e3,
                           ev[2].elapsed_time(ev[3]) / 1e3))
     rows = h.num_recv
     buf.close()
