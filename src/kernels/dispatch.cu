@@ -8,6 +8,9 @@
 //     (own tokens first, then, N > 1, each other node's slot once it arrived) and arrives
 //     at every destination; block 0 waits for every source's S arrivals.
 #include <cuda_runtime.h>
+#ifdef HEP_LAYOUT_TRACE
+#include <cstdio>
+#endif
 
 #include "kernels/layout.cuh"
 
@@ -250,17 +253,21 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
         return;
     }
     // 1. this rank's own tokens: positions within the block, counts
+    LTRACE(0);
     if (a.rec_ids)
         record_routing(a);
     scan_list(a, list_of(a, a.node), a.node, true, s, mine);
     if (EM)
         em_save_counts(a, s);
+    LTRACE(1);
     grid_arrive(a.grid_arrive);
     if (!grid_wait(a, a.grid_arrive, e * (unsigned long long)S))
         return;
+    LTRACE(2);
     // 2. positions made rank-wide; block 0 lays out and releases the other blocks (EM:
     // which place each pair has among its block's, meanwhile)
     rebase_list(a, a.node, a.t, s);
+    LTRACE(3);
     if (b == 0) {
         if (!layout_publish(a, e, s))
             return;
@@ -271,6 +278,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
             __threadfence();
             st_release_gpu(a.layout_ready, e);
         }
+        LTRACE(9);
         layout_report(a, s, t_start, t_layout);
         if (EM)
             em_places(a, s);
@@ -313,6 +321,16 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     arrive_all(a, e);
     if (b == 0)
         drop_recount(a, e, s);
+#ifdef HEP_LAYOUT_TRACE
+    if (b == 0 && tid == 0) {
+        const long long *tr = hep_ltrace[(a.rank0 + a.local) & 63], c0 = tr[0], end = clock64();
+        printf("LTRACE rank %d S %d cycles: scan %lld barrier %lld rebase %lld tot %lld "
+               "release %lld mates %lld bases %lld tail %lld ready %lld | push+arrive %lld\n",
+               a.rank0 + a.local, S, tr[1] - c0, tr[2] - tr[1], tr[3] - tr[2], tr[4] - tr[3],
+               tr[5] - tr[4], tr[6] - tr[5], tr[7] - tr[6], tr[8] - tr[7], tr[9] - tr[8],
+               end - tr[9]);
+    }
+#endif
 }
 
 extern "C" size_t hep_dispatch_smem(int R, int El)

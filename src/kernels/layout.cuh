@@ -11,6 +11,19 @@
 
 #include "kernels/lists.cuh"
 
+// HEP_LAYOUT_TRACE (a measurement build only, bench/NOTES.md): block 0's thread 0 stamps
+// the SM clock at each step of the layout, and prints the steps' cycles at the kernel's end.
+#ifdef HEP_LAYOUT_TRACE
+__device__ long long hep_ltrace[64][16]; /* [rank & 63][step] */
+#define LTRACE(i)                                                                          \
+    do {                                                                                   \
+        if (blockIdx.x == 0 && threadIdx.x == 0)                                           \
+            hep_ltrace[(a.rank0 + a.local) & 63][i] = clock64();                        \
+    } while (0)
+#else
+#define LTRACE(i) ((void)0)
+#endif
+
 // Shared memory of the layout step (dynamic; hep_dispatch_smem sizes it).
 struct layout_smem {
     int *cnt;  // [R][El] the block's per-(destination, expert) counts
@@ -133,16 +146,19 @@ static __device__ bool layout_publish(const hep_kargs &a, unsigned long long e, 
     for (int j = tid; j <= El; j += blockDim.x)
         s.recv[j] = 0;
     __syncthreads();
+    LTRACE(4);
     if (tid == 0) {
         *a.epoch = e;
         fence_peers(a);
         st_release_peers(a, a.flags[a.local] + HEP_FLAG_COUNTS_READY, e);
     }
+    LTRACE(5);
     bool ok = true;
     if (tid < R)
         ok = wait_mate(a, a.flags[tid] + HEP_FLAG_COUNTS_READY, e, HEP_STAGE_PREPROCESS, tid);
     if (!block_all(ok))
         return false;
+    LTRACE(6);
 
     // Row base of list L at destination d: the rows there of every source (L2, s2) before
     // (L, this rank), sources in [list][local rank] order: a warp's scan per destination.
@@ -176,6 +192,7 @@ static __device__ bool layout_publish(const hep_kargs &a, unsigned long long e, 
         if (c)
             atomicAdd(&s.recv[j], c);
     }
+    LTRACE(7);
     // the other parity was call e - 1's: every node-mate read it before it arrived here at
     // the end of that call; it is zeroed for call e + 1's additions
     for (int j = tid; j < N * (int)LW; j += blockDim.x)
@@ -217,6 +234,7 @@ static __device__ bool layout_publish(const hep_kargs &a, unsigned long long e, 
         }
     }
     __syncthreads();
+    LTRACE(8);
     return true;
 }
 
