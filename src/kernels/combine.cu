@@ -430,12 +430,12 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
 #endif
 
     if (N > 1 && b == 0 && tid < N && tid != a.node) {
-        /* arrival: this rank's combine of call e started. The proxy sends the word ahead of
+        /* arrival: this rank's combine c started. The proxy sends the word ahead of
          * the partial sums on the same connection, so a peer that times out on their flag
          * can tell a lost flag from a rank that never came (ep.c, diag_status). */
-        a.red_words[2 * N + tid] = e;
+        a.red_words[2 * N + tid] = c; /* across nodes combine's words carry c (ep_kernels.h) */
         __threadfence_system();
-        st_release(a.px + HEP_PX_WORD(N, 1, tid) + 3 * HEP_PX_MAX_BLOCKS + 1, e);
+        st_release(a.px + HEP_PX_WORD(N, 1, tid) + 3 * HEP_PX_MAX_BLOCKS + 1, c);
     }
     if (b == 0 && tid == 0) {
         if (EM) { /* where the node-mates read this rank's rows and probabilities */
@@ -464,7 +464,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
         for (int L = 0; L < N; L++) {
             if (L == a.node)
                 continue;
-            const int s = slot_index(L, a.node), t = (int)ld_relaxed(a.slot_words + s);
+            const int s = slot_index(L, a.node), t = a.slot_rows[s];
             const int mybase = lane < R ? ld_l2(a.meta + L * R + lane) : 0;
             int t0, t1, w0, w1;
             block_range(t, b, S, t0, t1);
@@ -479,22 +479,22 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
                 w[1] = (unsigned long long)t0;
                 w[2] = (unsigned long long)(t1 - t0);
                 __threadfence_system();
-                st_release(w, e);
+                st_release(w, c);
             }
         }
         if (tid == 0) {
             __threadfence_system();
-            s_last = atomicAdd(a.combine_done, 1ull) == e * (unsigned long long)S - 1;
+            s_last = atomicAdd(a.combine_done, 1ull) == c * (unsigned long long)S - 1;
         }
         __syncthreads();
         if (s_last && tid < N && tid != a.node) {
             __threadfence();
-            a.red_words[tid] = ld_relaxed(a.slot_words + slot_index(tid, a.node));
-            a.red_words[N + tid] = e;
+            a.red_words[tid] = (unsigned long long)a.slot_rows[slot_index(tid, a.node)];
+            a.red_words[N + tid] = c;
             __threadfence_system();
-            st_release(a.px + HEP_PX_WORD(N, 1, tid) + 3 * HEP_PX_MAX_BLOCKS, e);
+            st_release(a.px + HEP_PX_WORD(N, 1, tid) + 3 * HEP_PX_MAX_BLOCKS, c);
         }
-        if (!wait_slots(a, a.part_words + N, e, HEP_STAGE_NODE_COMBINE))
+        if (!wait_slots(a, a.part_words + N, c, HEP_STAGE_NODE_COMBINE))
             return;
     }
     const int mybase = lane < R ? ld_l2(a.meta + a.node * R + lane) : 0;
