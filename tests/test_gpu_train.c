@@ -10,9 +10,9 @@
  * hep_group_sync), then a blocking call that fits. The routing has repeated and
  * unused slots, an expert nobody chooses and a token on every expert of a rank. Across
  * 2 x 2 and 2 x 4 virtual nodes (the loopback NIC; the nodes_* cases): the one-shot
- * sequence with outputs in caller memory and the zero-copy view, and the handle sequence,
- * BF16 and FP8, int32 and int64 routing; the options still missing there are checked to be
- * refused. Without a GPU it skips with the reason. HEP_GPU_TEST_SMALL=1 runs small shapes
+ * sequence with outputs in caller memory and the zero-copy view, and the handle sequence
+ * with probabilities through combine, BF16 and FP8, int32 and int64 routing; what stays
+ * refused there is checked to be. Without a GPU it skips with the reason. HEP_GPU_TEST_SMALL=1 runs small shapes
  * (compute-sanitizer).
  *
  * Each case runs the same per-rank sequence on a host-backend group and on a GPU group;
@@ -55,7 +55,7 @@ typedef struct tcase {
     int em, pad, budget[2], em_rows;
     /* across virtual nodes (loopback NIC): R ranks per node (0: one node of W), int64
      * routing, the one-shot sequence instead of the handles', no probabilities through
-     * combine (not across nodes on the GPU: refused, and that is checked) */
+     * combine (the one-shot sequence: its layout records no routing) */
     int R, idx64, oneshot, noprobs;
     /* outputs per rank (host memory): [0] host run, [1] GPU run */
     struct rout {
@@ -670,9 +670,9 @@ out:
     return o->err[0] != 0;
 }
 
-/* GPU across nodes: what the kernels do not take there yet is refused with the reason
- * before any collective work (every rank alike): the expert-major layout, probabilities
- * through combine. */
+/* GPU across nodes: what the kernels do not take there is refused with the reason before
+ * any collective work (every rank alike): the expert-major layout (not yet), probabilities
+ * through combine without a caller handle (the one-shot layout records no routing). */
 static int nodes_refusals(tcase *c, rank_ctx *x, hep_group *g, hep_handle *h, rank_bufs *b,
                           void *st)
 {
@@ -693,9 +693,9 @@ static int nodes_refusals(tcase *c, rank_ctx *x, hep_group *g, hep_handle *h, ra
         FAIL("rank %d: expert-major across nodes: %s (%s), want HEP_ERR_UNAVAILABLE", r,
              hep_status_name(rc), hep_last_error());
     if ((rc = do_combine(g, NULL, b, 0, st, 0, 1)) != HEP_ERR_UNAVAILABLE ||
-        !strstr(hep_last_error(), "carrying probabilities back through combine"))
-        FAIL("rank %d: probabilities through combine across nodes: %s (%s), want "
-             "HEP_ERR_UNAVAILABLE", r, hep_status_name(rc), hep_last_error());
+        !strstr(hep_last_error(), "with a caller handle only"))
+        FAIL("rank %d: probabilities through combine across nodes without a handle: %s (%s), "
+             "want HEP_ERR_UNAVAILABLE", r, hep_status_name(rc), hep_last_error());
 out:
     return o->err[0] != 0;
 }
@@ -1221,8 +1221,7 @@ static void graph_replays_of_the_no_sync_mode_equal_the_host(void **state)
 
 /* Across N x R virtual nodes (the loopback NIC): BF16 or FP8, int32 or int64 routing; the
  * one-shot sequence with outputs in caller memory, or the handles' (interleaved, reused,
- * combined twice). Probabilities do not come back through combine across nodes on the
- * GPU yet: refused, and checked to be. */
+ * combined twice, probabilities through every combine). */
 static void nodes_case(int N, int R, int fp8, int idx64, int oneshot, unsigned seed,
                        const char *name)
 {
@@ -1232,7 +1231,7 @@ static void nodes_case(int N, int R, int fp8, int idx64, int oneshot, unsigned s
     c->cfg.ranks_per_node = R;
     c->idx64 = idx64;
     c->oneshot = oneshot;
-    c->noprobs = 1;
+    c->noprobs = oneshot; /* the one-shot layout carries none (refused, checked above) */
     run_case(c, name);
     free(c);
 }

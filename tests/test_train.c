@@ -787,9 +787,9 @@ static void bad_handles_and_options_are_refused_with_reasons(void **s)
 
 /* What the GPU kernels take across nodes, decided on the host before any GPU work (the
  * checks group/ep.c makes for a GPU group; this runs without a GPU): with one node
- * everything; across nodes the rank-major layout with outputs in caller memory and caller
- * handles, and each option still missing refused with HEP_ERR_UNAVAILABLE naming it and
- * the node count. */
+ * everything; across nodes the rank-major layout with outputs in caller memory, caller
+ * handles and probabilities through combine, and the expert-major layout refused with
+ * HEP_ERR_UNAVAILABLE naming it and the node count. */
 static void gpu_kernels_across_nodes_refuse_each_missing_option_by_name(void **s)
 {
     const char *want;
@@ -802,12 +802,10 @@ static void gpu_kernels_across_nodes_refuse_each_missing_option_by_name(void **s
            "node only, not across 4 nodes";
     assert_non_null(strstr(hep_last_error(), want));
     assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 1, 0, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 1, 1, "hep_combine_ex"),
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 1, 1, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 1, 1, "hep_dispatch_ex"),
                      HEP_ERR_UNAVAILABLE);
     assert_non_null(strstr(hep_last_error(), "not across 2 nodes"));
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 0, 1, "hep_combine_ex"),
-                     HEP_ERR_UNAVAILABLE);
-    assert_non_null(strstr(hep_last_error(), "hep_combine_ex: carrying probabilities back"));
 }
 
 /* The GPU backend (one node) takes a caller handle (here with no tokens) and combines

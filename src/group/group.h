@@ -45,9 +45,10 @@ void hep_ep_teardown(hep_group *g);
 /* The proxy's counters and the last dispatch's device timestamps (hep_group_get_stats). */
 void hep_ep_fill_stats(const hep_group *g, hep_group_stats *s);
 /* What the GPU kernels take across N nodes, for one call of `call` (its name in the
- * message): the layout (hep_layout), whether a caller handle is given (recorded, reused
- * or combined: taken) and whether probabilities come back through combine. 0 (also for
- * N = 1), or HEP_ERR_UNAVAILABLE naming the option. Needs no GPU (tests/test_train.c). */
+ * message): the layout (hep_layout: rank-major only), whether a caller handle is given
+ * (recorded, reused or combined) and whether probabilities come back through combine
+ * (both taken). 0 (also for N = 1), or HEP_ERR_UNAVAILABLE naming the option. Needs no
+ * GPU (tests/test_train.c). */
 int hep_ep_gpu_nodes_check(int N, int layout, int handle, int probs, const char *call);
 /* group/handle.c */
 struct hep_handle *hep_handle_alloc(const hep_group *g);

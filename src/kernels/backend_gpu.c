@@ -124,6 +124,8 @@ static int gpu_setup(hep_backend_ctx *g)
         k->red_words = (unsigned long long *)hep_be_buf(g, HEP_BUF_C_OUT_FLAGS);
         k->part_token = hep_be_buf(g, HEP_BUF_C_GROUP_TOKEN);
         k->part_words = (const unsigned long long *)hep_be_buf(g, HEP_BUF_C_GROUP_FLAGS);
+        k->red_prob = (float *)hep_be_buf(g, HEP_BUF_C_RED_PROB);
+        k->part_prob = (const float *)hep_be_buf(g, HEP_BUF_C_GROUP_PROB);
         k->px = (unsigned long long *)(g->mapped_dev + g->plan->buf[HEP_BUF_PROXY].offset);
     }
     k->block_counts = (int *)hep_be_buf(g, HEP_BUF_HANDLE_BLOCKS);
@@ -299,8 +301,10 @@ static int refuse_capture(hep_backend_ctx *g, int phase, void *stream)
     return HEP_OK;
 }
 
-/* N > 1 (GPU): hand the proxy this call's chunks; the kernels publish them as ready. */
-static int start_network(hep_backend_ctx *g, int phase, int S, void *stream, uint64_t epoch)
+/* N > 1 (GPU): hand the proxy this call's chunks (probs: combine carries probabilities);
+ * the kernels publish them as ready. */
+static int start_network(hep_backend_ctx *g, int phase, int S, void *stream, uint64_t epoch,
+                         int probs)
 {
     hep_proxy_chunk *ch;
     int n, rc = refuse_capture(g, phase, stream);
@@ -312,7 +316,7 @@ static int start_network(hep_backend_ctx *g, int phase, int S, void *stream, uin
     ch = malloc(sizeof(*ch) * (size_t)(g->N - 1) * (4 * (size_t)S + 2));
     if (!ch)
         return hep_fail(HEP_ERR_NOMEM, "%s: out of memory", phase ? "hep_combine" : "hep_dispatch");
-    n = hep_wire_gpu_batch(g, phase, S, ch);
+    n = hep_wire_gpu_batch(g, phase, S, probs, ch);
     rc = hep_proxy_submit(g->proxy, ch, n, epoch);
     free(ch);
     return rc;
@@ -522,7 +526,7 @@ static int gpu_dispatch(hep_backend_ctx *g, const hep_dispatch_args *a, hep_disp
     if (g->N > 1) {
         if ((rc = settle_same_kind(g, 1, a->stream, "hep_dispatch")))
             return rc;
-        rc = start_network(g, 0, g->cfg->dispatch_sms, a->stream, g->epoch + 1);
+        rc = start_network(g, 0, g->cfg->dispatch_sms, a->stream, g->epoch + 1, 0);
         if (rc)
             return rc;
         rc = hep_launch_node_pack(k, g->cfg->dispatch_sms, a->stream);
@@ -635,7 +639,7 @@ static int gpu_combine(hep_backend_ctx *g, const hep_combine_args *a, const hep_
      * cepoch = c, or the group is broken) */
     if (g->N > 1 && ((rc = settle_same_kind(g, 2, a->stream, "hep_combine")) ||
                      (rc = start_network(g, 1, g->cfg->combine_sms, a->stream,
-                                         g->combine_epoch + 1))))
+                                         g->combine_epoch + 1, k->probs_out != NULL))))
         return rc;
     if (!em && (k->combine_in || k->probs_in))
         rc = hep_launch_copy_in(k, 64, a->stream);

@@ -218,6 +218,11 @@ typedef struct hep_kargs {
     unsigned long long *red_words;   /* combine.attn_output_flags: counts [N], flags [N] */
     const char *part_token;          /* combine.rdma_inter_node_group_token [N-1][T] */
     const unsigned long long *part_words; /* combine.rdma_inter_node_group_flags */
+    float *red_prob;                 /* combine.rdma_intra_node_red_prob [N-1][T][R El]: with
+                                        probs_out, each slot token's row of this node's
+                                        experts' probs_in (sent with the partial sums) */
+    const float *part_prob;          /* combine.rdma_inter_node_group_prob: the same rows of
+                                        this rank's tokens from each other node */
     unsigned long long *px;          /* mapped: the proxy's ready counters (HEP_PX_*) */
     int rank0;                       /* global rank of local rank 0 of this node */
     /* the expert-major layout (N = 1; kernels/dispatch.cu, "Expert-major") */
