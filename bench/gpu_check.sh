@@ -48,7 +48,7 @@ if want test; then
     HEP_GPU_TEST_FILTER=${TEST_FILTER:-} timeout 300 $B/test_gpu_ep
     echo "test_gpu_ep exit: $?"
     step "GPU tests of the training API (handles, caller outputs, probabilities, capacity)"
-    HEP_GPU_TEST_FILTER=${TRAIN_TEST_FILTER:-} timeout 180 $B/test_gpu_train
+    HEP_GPU_TEST_FILTER=${TRAIN_TEST_FILTER:-} timeout 300 $B/test_gpu_train
     echo "test_gpu_train exit: $?"
   } > "$OUT/test.txt" 2>&1
   grep -vE '^\[ *(RUN|OK) \]|unavailable; using DMA-BUF' "$OUT/test.txt" | tail -60

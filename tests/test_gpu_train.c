@@ -8,8 +8,12 @@
  * more: the overflow words, the kept rows, counts and tokens per expert, a combine that sums
  * only the kept rows and probabilities 0 for the dropped ones, HEP_WARN_IGNORED from
  * hep_group_sync), then a blocking call that fits. The routing has repeated and
- * unused slots, an expert nobody chooses and a token on every expert of a rank. Without a
- * GPU it skips with the reason. HEP_GPU_TEST_SMALL=1 runs small shapes (compute-sanitizer).
+ * unused slots, an expert nobody chooses and a token on every expert of a rank. Across
+ * 2 x 2 and 2 x 4 virtual nodes (the loopback NIC; the nodes_* cases): the one-shot
+ * sequence with outputs in caller memory and the zero-copy view, and the handle sequence
+ * with probabilities through combine, BF16 and FP8, int32 and int64 routing; what stays
+ * refused there is checked to be. Without a GPU it skips with the reason. HEP_GPU_TEST_SMALL=1 runs small shapes
+ * (compute-sanitizer).
  *
  * Each case runs the same per-rank sequence on a host-backend group and on a GPU group;
  * the host run goes first and its outputs are the oracle the GPU run is compared with. */
@@ -27,6 +31,7 @@
 
 #include "ep_case.h"
 #include "fake_mr.h"
+#include "group/group.h"
 #include "ranks.h"
 
 #define MAXW 8
@@ -48,6 +53,10 @@ typedef struct tcase {
     /* the expert-major layout: pad_multiple, the row budget of hA's and hB's dispatches
      * (every rank alike), the rows the recv buffers hold (the larger budget) */
     int em, pad, budget[2], em_rows;
+    /* across virtual nodes (loopback NIC): R ranks per node (0: one node of W), int64
+     * routing, the one-shot sequence instead of the handles', no probabilities through
+     * combine (the one-shot sequence: its layout records no routing) */
+    int R, idx64, oneshot, noprobs;
     /* outputs per rank (host memory): [0] host run, [1] GPU run */
     struct rout {
         int rc[16];
@@ -302,6 +311,23 @@ static void settle(const rank_bufs *b)
         goto out;                                                                                \
     } while (0)
 
+/* A rank's routing into dst as the case's index type (int32, or int64 widened). */
+static int put_ids(const tcase *c, const mem *m, void *dst, const int *ids)
+{
+    const size_t n = (size_t)c->T * KS;
+    int64_t *w;
+    int rc;
+    if (!c->idx64)
+        return m_put(m, dst, ids, sizeof(int) * n);
+    if (!(w = malloc(sizeof(*w) * n)))
+        return 1;
+    for (size_t k = 0; k < n; k++)
+        w[k] = ids[k];
+    rc = m_put(m, dst, w, sizeof(*w) * n);
+    free(w);
+    return rc;
+}
+
 static int setup_bufs(tcase *c, int r, const mem *m, hep_group *g, rank_bufs *b)
 {
     const size_t T = (size_t)c->T, H = (size_t)c->H, rb = rbytes(c), ns = H / 128;
@@ -325,12 +351,12 @@ static int setup_bufs(tcase *c, int r, const mem *m, hep_group *g, rank_bufs *b)
                 he[j * H + h] = ep_expert_value(r + 16 * s, (int)j, (int)h);
         b->tok[s] = m_alloc(m, T * rb);
         b->sc[s] = m_alloc(m, sizeof(float) * (T * ns + 1));
-        b->idx[s] = m_alloc(m, sizeof(int) * T * KS);
+        b->idx[s] = m_alloc(m, (c->idx64 ? sizeof(int64_t) : sizeof(int)) * T * KS);
         b->w[s] = m_alloc(m, sizeof(float) * T * KS);
         b->eo[s] = m_alloc(m, maxr * H * 2);
         if (!b->tok[s] || !b->sc[s] || !b->idx[s] || !b->w[s] || !b->eo[s] ||
             m_put(m, b->tok[s], ht, T * rb) || m_put(m, b->sc[s], hs, sizeof(float) * T * ns) ||
-            m_put(m, b->idx[s], c->ids[s][r], sizeof(int) * T * KS) ||
+            put_ids(c, m, b->idx[s], c->ids[s][r]) ||
             m_put(m, b->w[s], c->w[s][r], sizeof(float) * T * KS) ||
             m_put(m, b->eo[s], he, maxr * H * 2))
             return 1;
@@ -379,7 +405,7 @@ static hep_dispatch_args dargs(const tcase *c, int r, rank_bufs *b, int set, int
     a.tokens = b->tok[tokset];
     a.scales = c->fp8 ? b->sc[tokset] : NULL;
     a.topk_idx = b->idx[set];
-    a.index_type = HEP_INDEX_INT32;
+    a.index_type = c->idx64 ? HEP_INDEX_INT64 : HEP_INDEX_INT32;
     a.topk = KS;
     a.topk_weights = b->w[set];
     a.stream = stream;
@@ -400,6 +426,20 @@ static void save_dispatch(tcase *c, struct rout *o, const mem *m, rank_bufs *b, 
     o->rows[s] = m_get(m, b->rtok[s], n * rbytes(c));
     o->probs[s] = m_get(m, b->rprob[s], n * EL * sizeof(float));
     o->scales[s] = c->fp8 ? m_get(m, b->rscale[s], n * ns * sizeof(float)) : NULL;
+    settle(b);
+}
+
+/* Step s's outputs from the result's view (rows, probs, scales in the group's buffers). */
+static void save_view(tcase *c, struct rout *o, const mem *m, rank_bufs *b, int s,
+                      const hep_dispatch_result *dr)
+{
+    const size_t n = dr->num_recv > 0 ? (size_t)dr->num_recv : 0, ns = (size_t)c->H / 128;
+    o->nrecv[s] = dr->num_recv;
+    for (int j = 0; j <= EL; j++)
+        o->counts[s][j] = dr->host_counts[j];
+    o->rows[s] = m_get(m, dr->tokens, n * rbytes(c));
+    o->probs[s] = m_get(m, dr->probs, n * EL * sizeof(float));
+    o->scales[s] = c->fp8 ? m_get(m, dr->scales, n * ns * sizeof(float)) : NULL;
     settle(b);
 }
 
@@ -461,7 +501,8 @@ static hep_dispatch_opts opts_case(const tcase *c, rank_bufs *b, hep_handle *h, 
     return x;
 }
 
-static int do_combine(hep_group *g, hep_handle *h, rank_bufs *b, int eo, void *st, unsigned fl)
+static int do_combine(hep_group *g, hep_handle *h, rank_bufs *b, int eo, void *st, unsigned fl,
+                      int probs)
 {
     hep_combine_args ca;
     hep_combine_opts co;
@@ -472,8 +513,8 @@ static int do_combine(hep_group *g, hep_handle *h, rank_bufs *b, int eo, void *s
     ca.stream = st;
     ca.flags = fl;
     co.handle = h;
-    co.probs_in = b->pin;
-    co.probs_out = b->pout;
+    co.probs_in = probs ? b->pin : NULL;
+    co.probs_out = probs ? b->pout : NULL;
     return hep_combine_ex(g, &ca, &co);
 }
 
@@ -511,7 +552,7 @@ static int drop_sequence(tcase *c, rank_ctx *x, hep_group *g, hep_handle *hA, he
         save_words(&m, &dr, o->ovw[0]);
         dr.num_recv = dr.num_recv_device[0];
         save_dispatch(c, o, &m, b, 0, &dr);
-        if ((rc = do_combine(g, hA, b, 0, st, HEP_ASYNC)))
+        if ((rc = do_combine(g, hA, b, 0, st, HEP_ASYNC, 1)))
             FAIL("rank %d: combine of the dropping dispatch: %s", r, hep_last_error());
         save_combine(c, o, &m, b, 0, c->t[0][r]);
     } else {
@@ -523,7 +564,7 @@ static int drop_sequence(tcase *c, rank_ctx *x, hep_group *g, hep_handle *hA, he
         xo = opts_into(b, hA, 0);
         da = dargs(c, r, b, 0, 0, st, HEP_ASYNC);
         rc = hep_dispatch_ex(g, &da, &xo, &dr);
-        crc = do_combine(g, hA, b, 0, st, HEP_ASYNC);
+        crc = do_combine(g, hA, b, 0, st, HEP_ASYNC, 1);
         if (cudaStreamEndCapture(st, &graph) != cudaSuccess || rc || crc ||
             cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
             FAIL("rank %d: capture: %d %d %s", r, rc, crc, hep_last_error());
@@ -576,12 +617,87 @@ static int drop_sequence(tcase *c, rank_ctx *x, hep_group *g, hep_handle *hA, he
         FAIL("rank %d: dispatch that fits after the drop: %s", r, hep_last_error());
     save_words(&m, &dr, o->ovw[1]);
     save_dispatch(c, o, &m, b, 1, &dr);
-    if ((o->rc[4] = do_combine(g, hB, b, 1, st, 0)))
+    if ((o->rc[4] = do_combine(g, hB, b, 1, st, 0, 1)))
         FAIL("rank %d: combine after the drop: %s", r, hep_last_error());
     save_combine(c, o, &m, b, 1, c->t[1][r]);
     return 0;
 out: /* FAIL */
     return 1;
+}
+
+/* Across nodes, the one-shot sequence: dispatch A into caller memory, combine it from the
+ * caller's expert outputs; the same with B; then A with the zero-copy view (hep_dispatch)
+ * and a combine from caller memory again. GPU: the options still refused across nodes
+ * are refused first (every rank alike, before any collective work). */
+static int oneshot_sequence(tcase *c, rank_ctx *x, hep_group *g, hep_handle *hA, rank_bufs *b,
+                            void *st)
+{
+    const int r = x->rank;
+    struct rout *o = &c->out[c->gpu][r];
+    const mem m = {c->gpu};
+    hep_dispatch_result dr;
+    hep_dispatch_opts xo;
+    hep_dispatch_args da;
+    hep_combine_args ca;
+    int rc;
+    for (int s = 0; s < STEPS; s++) {
+        const int set = s == 1;
+        xo = opts_into(b, NULL, s);
+        da = dargs(c, r, b, set, set, st, 0);
+        rc = s < 2 ? hep_dispatch_ex(g, &da, &xo, &dr) : hep_dispatch(g, &da, &dr);
+        if (rc && rc != HEP_WARN_IGNORED)
+            FAIL("rank %d: one-shot dispatch %d: %s", r, s, hep_last_error());
+        if (dr.handle == 0 || (s < 2 && dr.num_recv > 0 && (xo.copy_bytes == 0 ||
+                                                             dr.tokens != b->rtok[s])))
+            FAIL("rank %d: one-shot dispatch %d into caller memory: handle %llu, copy_bytes "
+                 "%zu, tokens %p (caller's %p)", r, s, (unsigned long long)dr.handle,
+                 xo.copy_bytes, dr.tokens, b->rtok[s]);
+        if (s < 2)
+            save_dispatch(c, o, &m, b, s, &dr);
+        else
+            save_view(c, o, &m, b, s, &dr);
+        memset(&ca, 0, sizeof(ca));
+        ca.handle = dr.handle;
+        ca.expert_out = b->eo[set];
+        ca.out = b->out;
+        ca.stream = st;
+        if ((rc = hep_combine(g, &ca)))
+            FAIL("rank %d: one-shot combine %d: %s", r, s, hep_last_error());
+        save_combine(c, o, &m, b, s, c->t[set][r]);
+    }
+    (void)hA;
+out:
+    return o->err[0] != 0;
+}
+
+/* GPU across nodes: what the kernels do not take there is refused with the reason before
+ * any collective work (every rank alike): the expert-major layout (not yet), probabilities
+ * through combine without a caller handle (the one-shot layout records no routing). */
+static int nodes_refusals(tcase *c, rank_ctx *x, hep_group *g, hep_handle *h, rank_bufs *b,
+                          void *st)
+{
+    const int r = x->rank;
+    struct rout *o = &c->out[c->gpu][r];
+    hep_dispatch_result dr;
+    hep_dispatch_opts xo = opts_into(b, h, 0);
+    hep_dispatch_args da = dargs(c, r, b, 0, 0, st, 0);
+    int rc;
+    if (!c->gpu)
+        return 0;
+    xo.layout = HEP_LAYOUT_EXPERT_MAJOR;
+    xo.pad_multiple = 16;
+    xo.num_permuted_tokens = 16 * c->T;
+    if ((rc = hep_dispatch_ex(g, &da, &xo, &dr)) != HEP_ERR_UNAVAILABLE ||
+        !strstr(hep_last_error(), "expert-major layout is implemented by the GPU kernels for "
+                                  "one node only"))
+        FAIL("rank %d: expert-major across nodes: %s (%s), want HEP_ERR_UNAVAILABLE", r,
+             hep_status_name(rc), hep_last_error());
+    if ((rc = do_combine(g, NULL, b, 0, st, 0, 1)) != HEP_ERR_UNAVAILABLE ||
+        !strstr(hep_last_error(), "with a caller handle only"))
+        FAIL("rank %d: probabilities through combine across nodes without a handle: %s (%s), "
+             "want HEP_ERR_UNAVAILABLE", r, hep_status_name(rc), hep_last_error());
+out:
+    return o->err[0] != 0;
 }
 
 /* The handle sequence: dispatch A into hA, B into hB (outputs in caller memory), combine
@@ -609,7 +725,13 @@ static int run_rank(rank_ctx *x)
             FAIL("rank %d: CUDA stream", r);
     }
     cfg.backend = c->gpu ? HEP_BACKEND_GPU : HEP_BACKEND_HOST;
-    if ((rc = hep_group_create(&cfg, &x->bs, 0, &g)))
+    if (c->R) { /* virtual nodes: the loopback NIC, whatever HEP_NIC says */
+        hep_group_hooks hooks = {NULL, 1, 0};
+        rc = hep_group_create_ex(&cfg, &x->bs, 0, &hooks, &g);
+    } else {
+        rc = hep_group_create(&cfg, &x->bs, 0, &g);
+    }
+    if (rc)
         FAIL("rank %d: create: %s", r, hep_last_error());
     if (setup_bufs(c, r, &m, g, &b) || hep_handle_create(g, &hA) || hep_handle_create(g, &hB))
         FAIL("rank %d: buffers or handles: %s", r, hep_last_error());
@@ -623,7 +745,7 @@ static int run_rank(rank_ctx *x)
         if (o->rc[0])
             FAIL("rank %d: dispatch at the capacity: %s", r, hep_last_error());
         save_dispatch(c, o, &m, &b, 0, &dr);
-        if ((o->rc[1] = do_combine(g, hA, &b, 0, st, 0)))
+        if ((o->rc[1] = do_combine(g, hA, &b, 0, st, 0, !c->noprobs)))
             FAIL("rank %d: combine at the capacity: %s", r, hep_last_error());
         save_combine(c, o, &m, &b, 0, c->t[0][r]);
         /* one row short on cap_rank: every rank fails, the receive buffers untouched */
@@ -654,13 +776,19 @@ static int run_rank(rank_ctx *x)
         if (o->rc[3])
             FAIL("rank %d: dispatch after the overflow: %s", r, hep_last_error());
         save_dispatch(c, o, &m, &b, 1, &dr);
-        if ((o->rc[4] = do_combine(g, hB, &b, 1, st, 0)))
+        if ((o->rc[4] = do_combine(g, hB, &b, 1, st, 0, !c->noprobs)))
             FAIL("rank %d: combine after the overflow: %s", r, hep_last_error());
         save_combine(c, o, &m, &b, 1, c->t[0][r]);
         goto out;
     }
     if (c->cap_mode == 2) {
         (void)drop_sequence(c, x, g, hA, hB, &b, st); /* o->err says how it went */
+        goto out;
+    }
+    if (c->R && nodes_refusals(c, x, g, hA, &b, st))
+        goto out;
+    if (c->oneshot) {
+        (void)oneshot_sequence(c, x, g, hA, &b, st); /* o->err says how it went */
         goto out;
     }
     xo = opts_case(c, &b, hA, 0, 0);
@@ -694,7 +822,7 @@ static int run_rank(rank_ctx *x)
             FAIL("rank %d: combine of hA in place after B was not refused: %s", r,
                  hep_last_error());
     }
-    if ((rc = do_combine(g, hA, &b, 0, st, 0)))
+    if ((rc = do_combine(g, hA, &b, 0, st, 0, !c->noprobs)))
         FAIL("rank %d: combine hA: %s", r, hep_last_error());
     save_combine(c, o, &m, &b, 0, c->t[0][r]);
     xo = opts_into(&b, hA, 2); /* the layout, pad and budget are hA's */
@@ -705,10 +833,10 @@ static int run_rank(rank_ctx *x)
     save_dispatch(c, o, &m, &b, 2, &dr);
     if (c->em)
         save_em(c, o, &m, &b, 2, &xo, 0);
-    if ((rc = do_combine(g, hB, &b, 1, st, 0)))
+    if ((rc = do_combine(g, hB, &b, 1, st, 0, !c->noprobs)))
         FAIL("rank %d: combine hB: %s", r, hep_last_error());
     save_combine(c, o, &m, &b, 1, c->t[1][r]);
-    if ((rc = do_combine(g, hA, &b, 1, st, 0)))
+    if ((rc = do_combine(g, hA, &b, 1, st, 0, !c->noprobs)))
         FAIL("rank %d: combine hA again: %s", r, hep_last_error());
     save_combine(c, o, &m, &b, 2, c->t[0][r]);
 
@@ -726,7 +854,7 @@ static int run_rank(rank_ctx *x)
         char derr[160];
         rc = hep_dispatch_ex(g, &da, &xo, &dr);
         snprintf(derr, sizeof(derr), "%s", rc ? hep_last_error() : "");
-        crc = do_combine(g, hA, &b, 0, st, HEP_ASYNC);
+        crc = do_combine(g, hA, &b, 0, st, HEP_ASYNC, !c->noprobs);
         if (cudaStreamEndCapture(st, &graph) != cudaSuccess || (rc && rc != HEP_WARN_IGNORED) ||
             crc || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
             FAIL("rank %d: capture: dispatch %d (%s), combine %d (%s)", r, rc, derr, crc,
@@ -888,7 +1016,7 @@ static int compare_rank(tcase *c, int r, int step_only)
                      o->comb[s][(size_t)k / 2], h->comb[s][(size_t)k / 2]);
             return ++bad;
         }
-        if ((k = first_diff(o->pout[s], h->pout[s], t * E * 4)) >= 0) {
+        if (!c->noprobs && (k = first_diff(o->pout[s], h->pout[s], t * E * 4)) >= 0) {
             snprintf(o->err, sizeof(o->err),
                      "rank %d combine %d: probs_out of token %zu expert %zu: %g, host %g", r, s,
                      (size_t)k / 4 / E, (size_t)k / 4 % E, o->pout[s][(size_t)k / 4],
@@ -1091,6 +1219,59 @@ static void graph_replays_of_the_no_sync_mode_equal_the_host(void **state)
     free(c);
 }
 
+/* Across N x R virtual nodes (the loopback NIC): BF16 or FP8, int32 or int64 routing; the
+ * one-shot sequence with outputs in caller memory, or the handles' (interleaved, reused,
+ * combined twice, probabilities through every combine). */
+static void nodes_case(int N, int R, int fp8, int idx64, int oneshot, unsigned seed,
+                       const char *name)
+{
+    tcase *c = new_case();
+    make_case(c, N * R, small_only() ? 24 : 96, small_only() ? 128 : 1024, fp8, seed);
+    c->R = R;
+    c->cfg.ranks_per_node = R;
+    c->idx64 = idx64;
+    c->oneshot = oneshot;
+    c->noprobs = oneshot; /* the one-shot layout carries none (refused, checked above) */
+    run_case(c, name);
+    free(c);
+}
+
+static void nodes_2x2_one_shot_outputs_in_caller_memory_bf16(void **state)
+{
+    (void)state;
+    nodes_case(2, 2, 0, 0, 1, 31u, "2 x 2 nodes, one-shot, caller outputs, bf16");
+}
+
+static void nodes_2x4_one_shot_outputs_in_caller_memory_fp8_int64(void **state)
+{
+    (void)state;
+    nodes_case(2, 4, 1, 1, 1, 32u, "2 x 4 nodes, one-shot, caller outputs, fp8, int64");
+}
+
+static void nodes_2x2_handles_interleaved_reused_and_combined_twice_bf16(void **state)
+{
+    (void)state;
+    nodes_case(2, 2, 0, 0, 0, 33u, "2 x 2 nodes, handles, bf16");
+}
+
+static void nodes_2x4_handles_interleaved_reused_and_combined_twice_bf16_int64(void **state)
+{
+    (void)state;
+    nodes_case(2, 4, 0, 1, 0, 34u, "2 x 4 nodes, handles, bf16, int64");
+}
+
+static void nodes_2x2_handles_interleaved_reused_and_combined_twice_fp8_int64(void **state)
+{
+    (void)state;
+    nodes_case(2, 2, 1, 1, 0, 35u, "2 x 2 nodes, handles, fp8, int64");
+}
+
+static void nodes_2x4_handles_interleaved_reused_and_combined_twice_fp8(void **state)
+{
+    (void)state;
+    nodes_case(2, 4, 1, 0, 0, 36u, "2 x 4 nodes, handles, fp8");
+}
+
 static void em_case(int pad, int fp8, int over, int replays, unsigned seed, const char *name)
 {
     tcase *c = new_case();
@@ -1165,6 +1346,12 @@ int main(void)
         cmocka_unit_test(expert_major_budget_overflow_drops_rows_then_fits),
         cmocka_unit_test(expert_major_fp8_budget_overflow),
         cmocka_unit_test(expert_major_graph_replays_equal_the_host),
+        cmocka_unit_test(nodes_2x2_one_shot_outputs_in_caller_memory_bf16),
+        cmocka_unit_test(nodes_2x4_one_shot_outputs_in_caller_memory_fp8_int64),
+        cmocka_unit_test(nodes_2x2_handles_interleaved_reused_and_combined_twice_bf16),
+        cmocka_unit_test(nodes_2x4_handles_interleaved_reused_and_combined_twice_bf16_int64),
+        cmocka_unit_test(nodes_2x2_handles_interleaved_reused_and_combined_twice_fp8_int64),
+        cmocka_unit_test(nodes_2x4_handles_interleaved_reused_and_combined_twice_fp8),
     };
     if (hep_gpu_probe(0)) {
         printf("skipped: no usable GPU: %s\n", hep_last_error());

@@ -14,6 +14,7 @@
 
 #include "ep_case.h"
 #include "fake_mr.h"
+#include "group/group.h"
 #include "ranks.h"
 
 #define NW 4  /* ranks of the one-node cases */
@@ -784,6 +785,29 @@ static void bad_handles_and_options_are_refused_with_reasons(void **s)
             fail_msg("%d failures; first: %s", c.bad[r], c.msg[r]);
 }
 
+/* What the GPU kernels take across nodes, decided on the host before any GPU work (the
+ * checks group/ep.c makes for a GPU group; this runs without a GPU): with one node
+ * everything; across nodes the rank-major layout with outputs in caller memory, caller
+ * handles and probabilities through combine, and the expert-major layout refused with
+ * HEP_ERR_UNAVAILABLE naming it and the node count. */
+static void gpu_kernels_across_nodes_refuse_each_missing_option_by_name(void **s)
+{
+    const char *want;
+    (void)s;
+    assert_int_equal(hep_ep_gpu_nodes_check(1, HEP_LAYOUT_EXPERT_MAJOR, 1, 1, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 0, 0, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(4, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, "hep_dispatch_ex"),
+                     HEP_ERR_UNAVAILABLE);
+    want = "hep_dispatch_ex: the expert-major layout is implemented by the GPU kernels for one "
+           "node only, not across 4 nodes";
+    assert_non_null(strstr(hep_last_error(), want));
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 1, 0, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 1, 1, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 1, 1, "hep_dispatch_ex"),
+                     HEP_ERR_UNAVAILABLE);
+    assert_non_null(strstr(hep_last_error(), "not across 2 nodes"));
+}
+
 /* The GPU backend (one node) takes a caller handle (here with no tokens) and combines
  * with it, refuses the expert-major layout and probabilities without a caller handle with
  * HEP_ERR_UNAVAILABLE, and its one-shot path through hep_dispatch_ex without options still
@@ -866,6 +890,7 @@ int main(int argc, char **argv)
         {"probs_fp8_4x2_chunk_1_pad_1_match_oracle", probs_across_nodes, NULL, NULL, &nodes_cases[9]},
         cmocka_unit_test(expert_major_fp8_rows_carry_their_scales),
         cmocka_unit_test(bad_handles_and_options_are_refused_with_reasons),
+        cmocka_unit_test(gpu_kernels_across_nodes_refuse_each_missing_option_by_name),
     };
     if (argc > 1 && !strcmp(argv[1], "--gpu"))
         return gpu_refusal();

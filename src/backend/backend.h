@@ -65,7 +65,10 @@ typedef struct hep_backend_ctx {
     int last_recv;                  /* rows received by it (host backend, sync mode) */
     uint64_t last_handle;           /* hep_handle_of(epoch of the last dispatch), 0 after combine */
     uint64_t copy_bytes;            /* written into caller memory by dispatches */
-    int last_call;                  /* host backend: 1 dispatch, 2 combine, 0 none yet */
+    int last_call;                  /* host backend, GPU across nodes: 1 dispatch, 2 combine,
+                                       0 none yet */
+    void *call_end;                 /* GPU across nodes: a cudaEvent_t recorded after each
+                                       call's launches (the end of the last call) */
     uint64_t x_epoch;               /* GPU: the dispatch whose rows exchange.token holds, 0 once
                                        a combine ran after it (then no combine is in place) */
     int recv_limit;                 /* host backend, during a dispatch: 0, or the capacity
@@ -124,13 +127,14 @@ struct hep_handle {
     int64_t *tpe;        /* [El] expert-major: padded rows per expert as written */
     int *slot_t;         /* [N] N > 1: tokens of each other node's slot at this rank ... */
     int *slot_ids;       /* [N][T][kmax] ... and their routing */
-    /* GPU backend, one node: one device allocation (hep_handle_create allocates it on the
-     * group's GPU, hep_handle_destroy frees it) that the kernels write when a dispatch
-     * records into the handle and read in its combines and reuses */
+    /* GPU backend: one device allocation (hep_handle_create allocates it on the group's
+     * GPU, hep_handle_destroy frees it) that the kernels write when a dispatch records
+     * into the handle and read in its combines and reuses */
     void *dev;
-    int *d_rows;         /* [T][R] each own token's position among this rank's rows at each
-                            node-mate, or -1 (the dispatch kernel's dest_rows) */
-    int *d_meta;         /* [R] this rank's row base at each node-mate */
+    int *d_rows;         /* [N][T][R] each token of list L (own tokens, each other node's
+                            slot) at its position among this rank's rows at each node-mate,
+                            or -1 (the dispatch kernel's dest_rows) */
+    int *d_meta;         /* [N][R] this rank's row base of each list at each node-mate */
     int *d_counts;       /* [0] rows received, [1] 1 if over the receive capacity, [2, 2 + El)
                             tokens per local expert */
     int *d_ids;          /* [T][kmax] the routing (int32, -1 = none), with the row width topk */
@@ -144,6 +148,8 @@ struct hep_handle {
                             local expert its data end and padding end (clipped) */
     int64_t *d_tpe;      /* [El] padded rows per local expert as written */
     int *d_drop;         /* [3] the receive capacity's words (overflow_device) */
+    int *d_npos;         /* [T][N] across nodes: each own token's row in each node's slot */
+    int *d_slots;        /* [N] across nodes: tokens of each other node's slot here */
 };
 
 /* A dispatch's handle: the group's tag above its call count. */
@@ -188,8 +194,10 @@ struct hep_proxy_chunk hep_wire_count_then_flag(const hep_backend_ctx *g, int pe
  * it holds >= want) to word rword of the peer's rid, after every earlier chunk to the peer. */
 struct hep_proxy_chunk hep_wire_flag(const hep_backend_ctx *g, int peer, int lid, size_t lword,
                                      int rid, size_t rword, uint64_t want);
-/* The GPU path's batch for phase 0 (dispatch) or 1 (combine) with S blocks; `ch` holds
- * (N - 1) x (4 S + 2). Returns the number of chunks. */
-int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, int S, struct hep_proxy_chunk *ch);
+/* The GPU path's batch for phase 0 (dispatch) or 1 (combine; probs: with each slot token's
+ * row of probabilities) with S blocks; `ch` holds (N - 1) x (4 S + 2). Returns the number
+ * of chunks. */
+int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, int S, int probs,
+                       struct hep_proxy_chunk *ch);
 
 #endif

@@ -83,12 +83,13 @@ static int add_blocks(const hep_backend_ctx *g, hep_proxy_chunk *ch, int n, int 
     return n;
 }
 
-int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, int S, hep_proxy_chunk *ch)
+int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, int S, int probs, hep_proxy_chunk *ch)
 {
     const size_t T = (size_t)g->cfg->max_tokens, H = (size_t)g->cfg->hidden;
     const int fp8 = g->cfg->dtype == HEP_DTYPE_FP8_E4M3;
     const size_t rb = H * (fp8 ? 1 : 2), rw = (size_t)g->cfg->max_topk * 4;
     const size_t sb = H / HEP_FP8_BLOCK * 4, rb2 = H * 2;
+    const size_t pb = (size_t)g->R * (size_t)g->cfg->experts_per_rank * 4; /* a prob row */
     const uint64_t *px0 = (const uint64_t *)(g->arena[HEP_ARENA_MAPPED] +
                                              g->plan->buf[HEP_BUF_PROXY].offset);
     int n = 0;
@@ -128,6 +129,9 @@ int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, int S, hep_proxy_chu
                                      px + 3 * HEP_PX_MAX_BLOCKS + 1);
             n = add_blocks(g, ch, n, peer, HEP_BUF_C_RED_TOKEN, j * T * rb2,
                            HEP_BUF_C_GROUP_TOKEN, s * T * rb2, rb2, px, S);
+            if (probs) /* the same blocks' rows of probabilities, before the flag */
+                n = add_blocks(g, ch, n, peer, HEP_BUF_C_RED_PROB, j * T * pb,
+                               HEP_BUF_C_GROUP_PROB, s * T * pb, pb, px, S);
             ch[n++] = hep_wire_count_then_flag(g, peer, HEP_BUF_C_OUT_FLAGS,
                                                HEP_BUF_C_GROUP_FLAGS, m, s,
                                                px + 3 * HEP_PX_MAX_BLOCKS);

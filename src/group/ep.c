@@ -100,6 +100,20 @@ void hep_ep_teardown(hep_group *g)
     g->be.own_handle = NULL;
 }
 
+int hep_ep_gpu_nodes_check(int N, int layout, int handle, int probs, const char *call)
+{
+    if (N <= 1)
+        return HEP_OK;
+    if (layout == HEP_LAYOUT_EXPERT_MAJOR)
+        return hep_fail(HEP_ERR_UNAVAILABLE,
+                        "%s: the expert-major layout is implemented by the GPU kernels for one "
+                        "node only, not across %d nodes (the host backend has it): use the "
+                        "rank-major layout",
+                        call, N);
+    (void)handle, (void)probs; /* caller handles, probabilities: every node count */
+    return HEP_OK;
+}
+
 static int check_ptr(const void *p, size_t align, const char *what)
 {
     if (!p)
@@ -225,12 +239,9 @@ static int check_dispatch_opts(hep_group *g, const hep_dispatch_args *a, const h
                         "hep_dispatch_ex: the expert-major layout writes into caller memory: "
                         "recv_tokens, recv_probs%s must be given",
                         fp8 ? " and recv_scales (FP8)" : "");
-    if (g->cfg.backend == HEP_BACKEND_GPU && layout == HEP_LAYOUT_EXPERT_MAJOR && g->N > 1)
-        return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "hep_dispatch_ex: the expert-major layout is implemented by the GPU "
-                        "kernels for one node only, not across %d nodes (the host backend has "
-                        "it): use the rank-major layout",
-                        g->N);
+    if (g->cfg.backend == HEP_BACKEND_GPU &&
+        (rc = hep_ep_gpu_nodes_check(g->N, layout, 0, 0, "hep_dispatch_ex")))
+        return rc;
     if (g->cfg.backend == HEP_BACKEND_GPU && layout == HEP_LAYOUT_EXPERT_MAJOR && !x->handle)
         return hep_fail(HEP_ERR_UNAVAILABLE,
                         "hep_dispatch_ex: the GPU kernels record the expert-major layout in a "
@@ -253,15 +264,9 @@ static int check_dispatch_opts(hep_group *g, const hep_dispatch_args *a, const h
                         "%d rows, or create the group with a larger max_permuted_rows",
                         x->num_permuted_tokens, g->cfg.max_permuted_rows,
                         g->cfg.max_permuted_rows / pad * pad);
-    if (g->cfg.backend == HEP_BACKEND_GPU && g->N > 1 &&
-        (x->handle || x->recv_tokens || x->recv_probs || x->recv_scales))
-        return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "hep_dispatch_ex: %s is implemented by the GPU kernels for one node only, "
-                        "not across %d nodes (the host backend has it): use hep_dispatch with its "
-                        "one-shot handle and the zero-copy view",
-                        x->handle ? "a caller-owned handle (recording or reusing a layout)"
-                                  : "writing the outputs into caller memory",
-                        g->N);
+    if (g->cfg.backend == HEP_BACKEND_GPU &&
+        (rc = hep_ep_gpu_nodes_check(g->N, layout, x->handle != NULL, 0, "hep_dispatch_ex")))
+        return rc;
     if (g->shm && g->N > 1 && layout == HEP_LAYOUT_EXPERT_MAJOR)
         return hep_fail(HEP_ERR_UNAVAILABLE,
                         "hep_dispatch_ex: the host backend has the expert-major layout across "
@@ -323,14 +328,10 @@ int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_op
     if (!c->probs_in != !c->probs_out)
         return hep_fail(HEP_ERR_INVALID, "hep_combine_ex: probs_in and probs_out go together "
                         "(one of them is NULL)");
-    if (g->cfg.backend == HEP_BACKEND_GPU && g->N > 1)
-        return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "hep_combine_ex: %s is implemented by the GPU kernels for one node only, "
-                        "not across %d nodes (the host backend has it): use hep_combine with the "
-                        "one-shot handle",
-                        c->handle ? "combining with a caller-owned handle"
-                                  : "carrying probabilities back through combine",
-                        g->N);
+    if (g->cfg.backend == HEP_BACKEND_GPU &&
+        (rc = hep_ep_gpu_nodes_check(g->N, HEP_LAYOUT_RANK_MAJOR, c->handle != NULL,
+                                     c->probs_in != NULL, "hep_combine_ex")))
+        return rc;
     if (g->cfg.backend == HEP_BACKEND_GPU && c->probs_in && !c->handle)
         return hep_fail(HEP_ERR_UNAVAILABLE,
                         "hep_combine_ex: the GPU kernels carry probabilities back with a caller "

@@ -43,7 +43,7 @@ int hep_handle_create(hep_group *g, hep_handle **out)
     if (!*out)
         return hep_fail(HEP_ERR_NOMEM, "hep_handle_create: out of memory for a handle of %d "
                         "tokens x %d slots", g->cfg.max_tokens, g->cfg.max_topk);
-    if (g->ops->handle_alloc && g->N == 1) { /* the GPU's device part (one node) */
+    if (g->ops->handle_alloc) { /* the GPU's device part */
         int rc = g->ops->handle_alloc(&g->be, *out);
         if (rc) {
             hep_handle_destroy(*out);

@@ -23,10 +23,12 @@ static const char *stage_name(int s)
                                             : "?";
 }
 
-/* Point the kernels' layout (positions, row bases, counts, overflow word) at handle h's
- * device memory, or (NULL) at the group's own buffers: handle.dest_rows, and in handle.meta
- * [0, N x R) the row bases, then the counters (8-byte aligned, set in hep_ep_setup), the
- * overflow word, the count, the tokens per expert, the work counters. */
+/* Point the kernels' layout (positions, row bases, counts, overflow word; across nodes the
+ * own tokens' rows in each node's slot and the slots' sizes) at handle h's device memory,
+ * or (NULL) at the group's own buffers: handle.dest_rows [N][T][R] then node_pos [T][N],
+ * and in handle.meta [0, N x R) the row bases, then the counters (8-byte aligned, set in
+ * hep_ep_setup), the overflow word, the count, the tokens per expert, the work counters,
+ * the overflow words, the slots' sizes. */
 static void use_layout(hep_backend_ctx *g, const hep_handle *h)
 {
     hep_kargs *k = g->kargs;
@@ -37,6 +39,8 @@ static void use_layout(hep_backend_ctx *g, const hep_handle *h)
         k->over = h->d_counts + 1;
         k->tokens_per_expert = h->d_counts + 2;
         k->ovf = h->d_drop;
+        k->node_pos = h->d_npos;
+        k->slot_rows = h->d_slots;
         return;
     }
     k->dest_rows = (int *)hep_be_buf(g, HEP_BUF_HANDLE_ROWS);
@@ -47,6 +51,10 @@ static void use_layout(hep_backend_ctx *g, const hep_handle *h)
     /* after the work counters: the plan's 4 W + El + 24 + HEP_WORK_WORDS words of handle.meta
      * hold the (W + 1 rounded to even) + 18 + 2 + El + HEP_WORK_WORDS + 3 used here */
     k->ovf = (int *)(k->tokens_per_expert + k->El) + HEP_WORK_WORDS;
+    /* then N - 1 slot sizes: (W + 1) + 18 + 2 + El + HEP_WORK_WORDS + 3 + N words of the
+     * plan's 4 W + El + 24 + HEP_WORK_WORDS, as N <= W */
+    k->slot_rows = k->ovf + 3;
+    k->node_pos = k->dest_rows + (size_t)g->cfg->max_tokens * (size_t)g->world;
 }
 
 /* After the group layer checked the node's shape against the kernels' limits: load the
@@ -59,6 +67,16 @@ static int gpu_setup(hep_backend_ctx *g)
         if (e)
             return hep_fail(HEP_ERR_CUDA, "loading the dispatch/combine kernels on GPU %d: %s",
                             g->device, cudaGetErrorString((cudaError_t)e));
+    }
+    if (g->N > 1) {
+        cudaEvent_t ev = NULL;
+        cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            return hep_fail(HEP_ERR_CUDA, "group: creating an event on GPU %d: %s", g->device,
+                            cudaGetErrorString(e));
+        }
+        g->call_end = ev;
     }
     k = calloc(1, sizeof(*k));
     if (!k)
@@ -87,7 +105,7 @@ static int gpu_setup(hep_backend_ctx *g)
     k->grid_arrive2 = k->epoch + 7;
     k->cepoch = k->epoch + 8;
     k->work = (unsigned *)(k->tokens_per_expert + k->El);
-    k->node_pos = k->dest_rows + (size_t)g->cfg->max_tokens * (size_t)g->world;
+    /* scratch of one pack kernel: the group's, whichever layout a call uses */
     k->node_blocks = k->node_pos + (size_t)g->cfg->max_tokens * (size_t)g->N;
     if (g->N > 1) {
         k->send_token = hep_be_buf(g, HEP_BUF_D_ATTN_TOKEN);
@@ -106,6 +124,8 @@ static int gpu_setup(hep_backend_ctx *g)
         k->red_words = (unsigned long long *)hep_be_buf(g, HEP_BUF_C_OUT_FLAGS);
         k->part_token = hep_be_buf(g, HEP_BUF_C_GROUP_TOKEN);
         k->part_words = (const unsigned long long *)hep_be_buf(g, HEP_BUF_C_GROUP_FLAGS);
+        k->red_prob = (float *)hep_be_buf(g, HEP_BUF_C_RED_PROB);
+        k->part_prob = (const float *)hep_be_buf(g, HEP_BUF_C_GROUP_PROB);
         k->px = (unsigned long long *)(g->mapped_dev + g->plan->buf[HEP_BUF_PROXY].offset);
     }
     k->block_counts = (int *)hep_be_buf(g, HEP_BUF_HANDLE_BLOCKS);
@@ -138,6 +158,9 @@ static void gpu_teardown(hep_backend_ctx *g)
 {
     free(g->kargs);
     g->kargs = NULL;
+    if (g->call_end)
+        (void)cudaEventDestroy((cudaEvent_t)g->call_end);
+    g->call_end = NULL;
 }
 
 /* A wait on another node's flag timed out: did that peer arrive at the call? Its arrival
@@ -263,12 +286,10 @@ static int finish(hep_backend_ctx *g, void *stream, unsigned flags, const char *
     return rc;
 }
 
-/* N > 1 (GPU): hand the proxy this call's chunks; the kernels publish them as ready. */
-static int start_network(hep_backend_ctx *g, int phase, int S, void *stream, uint64_t epoch)
+/* N > 1: a call on a capturing stream is refused (before anything else of it happens). */
+static int refuse_capture(hep_backend_ctx *g, int phase, void *stream)
 {
     enum cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-    hep_proxy_chunk *ch;
-    int n, rc;
     cudaError_t e = cudaStreamIsCapturing((cudaStream_t)stream, &cs);
     if (e != cudaSuccess)
         return cuda_status(e, phase ? "hep_combine" : "hep_dispatch");
@@ -277,16 +298,66 @@ static int start_network(hep_backend_ctx *g, int phase, int S, void *stream, uin
                         "%s across %d nodes cannot be captured into a CUDA graph: the CPU proxy "
                         "posts each call's network writes (capture works with one node)",
                         phase ? "hep_combine" : "hep_dispatch", g->N);
+    return HEP_OK;
+}
+
+/* N > 1 (GPU): hand the proxy this call's chunks (probs: combine carries probabilities);
+ * the kernels publish them as ready. */
+static int start_network(hep_backend_ctx *g, int phase, int S, void *stream, uint64_t epoch,
+                         int probs)
+{
+    hep_proxy_chunk *ch;
+    int n, rc = refuse_capture(g, phase, stream);
+    if (rc)
+        return rc;
     rc = proxy_done(g); /* an asynchronous call's batch before this one */
     if (rc)
         return rc;
     ch = malloc(sizeof(*ch) * (size_t)(g->N - 1) * (4 * (size_t)S + 2));
     if (!ch)
         return hep_fail(HEP_ERR_NOMEM, "%s: out of memory", phase ? "hep_combine" : "hep_dispatch");
-    n = hep_wire_gpu_batch(g, phase, S, ch);
+    n = hep_wire_gpu_batch(g, phase, S, probs, ch);
     rc = hep_proxy_submit(g->proxy, ch, n, epoch);
     free(ch);
     return rc;
+}
+
+/* N > 1, before a call of `kind` (1 dispatch, 2 combine): two calls of one kind in a row
+ * have nothing on the device that orders them (ep_kernels.h): this rank's dispatch could
+ * overwrite a slot (its combine the partial sums) that a peer on another node still reads
+ * for the previous call. So the previous call ends on this rank (its event: any stream,
+ * HEP_ASYNC too), then every rank meets at the bootstrap's barrier, as the host backend
+ * does. A call of the other kind in between orders them: then nothing is waited for. */
+static int settle_same_kind(hep_backend_ctx *g, int kind, void *stream, const char *call)
+{
+    cudaError_t e;
+    int rc;
+    if (g->N < 2 || g->last_call != kind)
+        return HEP_OK;
+    if ((rc = refuse_capture(g, kind == 2, stream)))
+        return rc;
+    e = cudaEventSynchronize((cudaEvent_t)g->call_end);
+    if (e != cudaSuccess)
+        return cuda_status(e, call);
+    rc = g->bs->barrier(g->bs->ctx);
+    if (rc) {
+        snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", hep_last_error());
+        g->broken = 1;
+    }
+    return rc;
+}
+
+/* N > 1, after a call of `kind` was launched on `stream`: its end, for settle_same_kind. */
+static int mark_call(hep_backend_ctx *g, int kind, void *stream, const char *call)
+{
+    cudaError_t e;
+    if (g->N < 2)
+        return HEP_OK;
+    e = cudaEventRecord((cudaEvent_t)g->call_end, (cudaStream_t)stream);
+    if (e != cudaSuccess)
+        return cuda_status(e, call);
+    g->last_call = kind;
+    return HEP_OK;
 }
 
 static int gpu_sync(hep_backend_ctx *g, void *stream)
@@ -417,7 +488,9 @@ static int gpu_dispatch(hep_backend_ctx *g, const hep_dispatch_args *a, hep_disp
     int rc;
     use_layout(g, h);
     em_setup(g, h, x, reuse, em);
-    k->reuse = reuse;
+    /* across nodes a reuse lays out anew from the handle's recorded routing (the same
+     * layout: a function of every rank's routing), into the handle */
+    k->reuse = reuse && g->N == 1;
     k->cap = g->cfg->max_recv_rows;
     k->drop = k->cap && (a->flags & HEP_ASYNC) && !em; /* expert-major: all or nothing */
     k->rec_ids = h && !reuse ? h->d_ids : NULL;
@@ -451,7 +524,9 @@ static int gpu_dispatch(hep_backend_ctx *g, const hep_dispatch_args *a, hep_disp
         k->budget = h->budget;
     }
     if (g->N > 1) {
-        rc = start_network(g, 0, g->cfg->dispatch_sms, a->stream, g->epoch + 1);
+        if ((rc = settle_same_kind(g, 1, a->stream, "hep_dispatch")))
+            return rc;
+        rc = start_network(g, 0, g->cfg->dispatch_sms, a->stream, g->epoch + 1, 0);
         if (rc)
             return rc;
         rc = hep_launch_node_pack(k, g->cfg->dispatch_sms, a->stream);
@@ -469,6 +544,8 @@ static int gpu_dispatch(hep_backend_ctx *g, const hep_dispatch_args *a, hep_disp
     }
     if (rc)
         return cuda_status((cudaError_t)rc, "hep_dispatch: kernel launch");
+    if ((rc = mark_call(g, 1, a->stream, "hep_dispatch")))
+        return rc;
     g->last_t = a->num_tokens;
     g->x_epoch = ++g->epoch; /* exchange.token holds this call's rows */
     if (em)
@@ -557,7 +634,12 @@ static int gpu_combine(hep_backend_ctx *g, const hep_combine_args *a, const hep_
         k->em = h->d_em;
         k->combine_in = a->expert_out;
     }
-    if (g->N > 1 && (rc = start_network(g, 1, g->cfg->combine_sms, a->stream, g->epoch)))
+    /* across nodes combine's network words carry its own count (ep_kernels.h): the
+     * kernel's c = *cepoch + 1, combines made + 1 here (every launched combine ends with
+     * cepoch = c, or the group is broken) */
+    if (g->N > 1 && ((rc = settle_same_kind(g, 2, a->stream, "hep_combine")) ||
+                     (rc = start_network(g, 1, g->cfg->combine_sms, a->stream,
+                                         g->combine_epoch + 1, k->probs_out != NULL))))
         return rc;
     if (!em && (k->combine_in || k->probs_in))
         rc = hep_launch_copy_in(k, 64, a->stream);
@@ -567,6 +649,9 @@ static int gpu_combine(hep_backend_ctx *g, const hep_combine_args *a, const hep_
         rc = hep_launch_combine(k, g->cfg->combine_sms, a->stream);
     if (rc)
         return cuda_status((cudaError_t)rc, "hep_combine: kernel launch");
+    g->combine_epoch++;
+    if ((rc = mark_call(g, 2, a->stream, "hep_combine")))
+        return rc;
     g->x_epoch = 0; /* from now on a node-mate may still read the buffer */
     return finish(g, a->stream, a->flags, "combine");
 }
@@ -583,17 +668,18 @@ static void gpu_fill_stats(const hep_backend_ctx *g, hep_group_stats *s)
     }
 }
 
-/* The GPU layout of a handle (one node): one allocation on the group's GPU. */
+/* The GPU layout of a handle: one allocation on the group's GPU. */
 static int handle_device(const hep_backend_ctx *g, struct hep_handle *h)
 {
     const size_t T = (size_t)g->cfg->max_tokens, K = (size_t)g->cfg->max_topk;
     const size_t R = (size_t)g->R, El = (size_t)g->cfg->experts_per_rank;
-    const size_t S = (size_t)g->cfg->dispatch_sms;
-    /* rank-major: rows, meta, counts, ids, weights; expert-major: positions, bases, the
-     * blocks' counts, the words and padding ranges; the receive capacity's 3 words; then the
-     * int64 tokens per expert */
-    const size_t ints = T * R + R + 2 + El + T * K + T * K + T * K + R * El + S * R * El +
-                        HEP_EM_WORDS + 2 * El + 3;
+    const size_t S = (size_t)g->cfg->dispatch_sms, N = (size_t)g->N, W = (size_t)g->world;
+    /* rank-major: rows of the N lists, meta, counts, ids, weights; expert-major: positions,
+     * bases, the blocks' counts, the words and padding ranges; the receive capacity's 3
+     * words; across nodes the own tokens' rows in each node's slot and the slots' sizes;
+     * then the int64 tokens per expert */
+    const size_t ints = T * W + W + 2 + El + T * K + T * K + T * K + R * El + S * R * El +
+                        HEP_EM_WORDS + 2 * El + 3 + T * N + N;
     const size_t ints8 = (ints + 1) & ~(size_t)1, bytes = ints8 * 4 + El * 8;
     int prev = -1;
     cudaError_t e = cudaGetDevice(&prev);
@@ -615,8 +701,8 @@ static int handle_device(const hep_backend_ctx *g, struct hep_handle *h)
                         g->device, cudaGetErrorString(e));
     }
     h->d_rows = (int *)h->dev;
-    h->d_meta = h->d_rows + T * R;
-    h->d_counts = h->d_meta + R;
+    h->d_meta = h->d_rows + T * W;
+    h->d_counts = h->d_meta + W;
     h->d_ids = h->d_counts + 2 + El;
     h->d_w = (float *)(h->d_ids + T * K);
     h->d_epos = (int *)(h->d_w + T * K);
@@ -624,6 +710,8 @@ static int handle_device(const hep_backend_ctx *g, struct hep_handle *h)
     h->d_ebc = h->d_ebase + R * El;
     h->d_em = h->d_ebc + S * R * El;
     h->d_drop = h->d_em + HEP_EM_WORDS + 2 * El;
+    h->d_npos = h->d_drop + 3;
+    h->d_slots = h->d_npos + T * N;
     h->d_tpe = (int64_t *)((int *)h->dev + ints8);
     return HEP_OK;
 }

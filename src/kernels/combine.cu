@@ -236,28 +236,53 @@ __device__ __forceinline__ void combine_own(const hep_kargs &a, const char *cons
         combine_row<false>(a, s_x, a.node, i, mybase, out, parts);
 }
 
-// The probabilities through combine (N = 1; the caller handle's routing in rec_ids): for
-// each own token i, probs_out[i][x] = destination d's prob row of the token at local expert
-// e, for every expert x = d El + e one of its slots chose; 0 elsewhere. One warp a token,
-// lane k its slot k. The node-mates' prob buffers hold their probs_in (copied in before
-// their COMBINE_READY, which this kernel acquired).
+// The probabilities through combine (the caller handle's routing in rec_ids): for each own
+// token i, probs_out[i][x] = destination d's prob row of the token at local expert e, for
+// every expert x = d El + e one of its slots chose; 0 elsewhere. One warp a token, lane k
+// its slot k. The node-mates' prob buffers hold their probs_in (copied in before their
+// COMBINE_READY, which this kernel acquired). Across nodes an expert x of node M comes from
+// M's row of the token's partial probabilities (node_probs there; landed before the flag
+// this kernel waited for), at the token's row in M's slot.
 __device__ void combine_probs(const hep_kargs &a, int gw, int nw)
 {
     const int lane = threadIdx.x & 31, El = a.El;
-    const size_t E = (size_t)El * a.R;
+    const size_t E = (size_t)El * a.R * a.N, T = (size_t)a.T;
+    const int Enode = El * a.R, first = a.rank0 * El;
     for (int i = gw; i < a.t; i += nw) {
         float *po = a.probs_out + (size_t)i * E;
         for (size_t j = (size_t)lane; j < E; j += 32)
             po[j] = 0.f;
         __syncwarp(); /* the zeros before the values, lane to lane */
         const int x = lane < a.K ? a.rec_ids[(size_t)i * a.K + lane] : -1;
-        if (x >= 0) {
-            const int d = x / El, ex = x % El;
-            const int row = ld_l2(a.meta + d) + ld_l2(a.dest_rows + (size_t)i * a.R + d);
+        const int M = x >= 0 ? x / Enode : -1;
+        if (x >= 0 && M == a.node) {
+            const int d = (x - first) / El, ex = (x - first) % El;
+            const int row = ld_l2(a.meta + a.node * a.R + d) +
+                            ld_l2(a.dest_rows + ((size_t)a.node * T + i) * a.R + d);
             if (!a.cap || row < a.cap) /* a dropped row's stays 0 */
                 po[x] = __ldcg(a.prob[d] + (size_t)row * El + ex);
+        } else if (x >= 0) {
+            const int p = a.node_pos[(size_t)i * a.N + M];
+            po[x] = __ldcg(a.part_prob + ((size_t)slot_index(M, a.node) * T + p) * Enode +
+                           (x - M * Enode));
         }
         __syncwarp();
+    }
+}
+
+// Across nodes with probabilities (the peer's side of combine_probs): token i of list L
+// (another node's slot), this node's experts as one dense row: destination d's probs_in
+// row of the token where the token went to d, 0 elsewhere. The token's owner takes the
+// experts its slots chose. One warp.
+__device__ __forceinline__ void node_probs(const hep_kargs &a, int L, int i, float *row)
+{
+    const int lane = threadIdx.x & 31, El = a.El, R = a.R;
+    for (int j = lane; j < R * El; j += 32) {
+        const int d = j / El;
+        const int pos = a.dest_rows[((size_t)L * a.T + i) * R + d];
+        row[j] = pos < 0 ? 0.f
+                         : __ldcg(a.prob[d] + (size_t)(ld_l2(a.meta + L * R + d) + pos) * El +
+                                  j % El);
     }
 }
 
@@ -430,12 +455,12 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
 #endif
 
     if (N > 1 && b == 0 && tid < N && tid != a.node) {
-        /* arrival: this rank's combine of call e started. The proxy sends the word ahead of
+        /* arrival: this rank's combine c started. The proxy sends the word ahead of
          * the partial sums on the same connection, so a peer that times out on their flag
          * can tell a lost flag from a rank that never came (ep.c, diag_status). */
-        a.red_words[2 * N + tid] = e;
+        a.red_words[2 * N + tid] = c; /* across nodes combine's words carry c (ep_kernels.h) */
         __threadfence_system();
-        st_release(a.px + HEP_PX_WORD(N, 1, tid) + 3 * HEP_PX_MAX_BLOCKS + 1, e);
+        st_release(a.px + HEP_PX_WORD(N, 1, tid) + 3 * HEP_PX_MAX_BLOCKS + 1, c);
     }
     if (b == 0 && tid == 0) {
         if (EM) { /* where the node-mates read this rank's rows and probabilities */
@@ -464,14 +489,17 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
         for (int L = 0; L < N; L++) {
             if (L == a.node)
                 continue;
-            const int s = slot_index(L, a.node), t = (int)ld_relaxed(a.slot_words + s);
+            const int s = slot_index(L, a.node), t = a.slot_rows[s];
             const int mybase = lane < R ? ld_l2(a.meta + L * R + lane) : 0;
             int t0, t1, w0, w1;
             block_range(t, b, S, t0, t1);
             warp_range(t0, t1, warp, wpb, w0, w1);
-            for (int i = w0; i < w1; i++)
+            for (int i = w0; i < w1; i++) {
                 combine_row<false>(a, s_x, L, i, mybase,
                                    (uint4 *)(a.red_token + ((size_t)s * T + i) * rb), NULL);
+                if (a.probs_out) /* every rank of the call alike */
+                    node_probs(a, L, i, a.red_prob + ((size_t)s * T + i) * R * a.El);
+            }
             __syncthreads();
             if (tid == 0) {
                 unsigned long long *w = a.px + HEP_PX_WORD(N, 1, L) + 3 * b;
@@ -479,22 +507,22 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
                 w[1] = (unsigned long long)t0;
                 w[2] = (unsigned long long)(t1 - t0);
                 __threadfence_system();
-                st_release(w, e);
+                st_release(w, c);
             }
         }
         if (tid == 0) {
             __threadfence_system();
-            s_last = atomicAdd(a.combine_done, 1ull) == e * (unsigned long long)S - 1;
+            s_last = atomicAdd(a.combine_done, 1ull) == c * (unsigned long long)S - 1;
         }
         __syncthreads();
         if (s_last && tid < N && tid != a.node) {
             __threadfence();
-            a.red_words[tid] = ld_relaxed(a.slot_words + slot_index(tid, a.node));
-            a.red_words[N + tid] = e;
+            a.red_words[tid] = (unsigned long long)a.slot_rows[slot_index(tid, a.node)];
+            a.red_words[N + tid] = c;
             __threadfence_system();
-            st_release(a.px + HEP_PX_WORD(N, 1, tid) + 3 * HEP_PX_MAX_BLOCKS, e);
+            st_release(a.px + HEP_PX_WORD(N, 1, tid) + 3 * HEP_PX_MAX_BLOCKS, c);
         }
-        if (!wait_slots(a, a.part_words + N, e, HEP_STAGE_NODE_COMBINE))
+        if (!wait_slots(a, a.part_words + N, c, HEP_STAGE_NODE_COMBINE))
             return;
     }
     const int mybase = lane < R ? ld_l2(a.meta + a.node * R + lane) : 0;

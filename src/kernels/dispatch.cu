@@ -304,6 +304,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     if (N > 1) {
         if (!wait_slots(a, a.slot_words + N, e, HEP_STAGE_NODE_DISPATCH))
             return;
+        if (b == 0 && tid < N - 1) /* the layout keeps them for its combines */
+            a.slot_rows[tid] = (int)ld_relaxed(a.slot_words + tid);
         for (int L = 0; L < N; L++)
             if (L != a.node)
                 scan_list(a, list_of(a, L), L, false, s, mine);

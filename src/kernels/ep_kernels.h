@@ -67,6 +67,11 @@
 #define HEP_FLAG_COMBINE_DONE 13    /* this rank's combine c finished reading its node-mates */
 #define HEP_FLAG_DISPATCH_ARRIVE 16 /* [W]: blocks of source s that finished writing here */
 
+/* Across nodes, combine's network words (its arrival, the partial sums' ready counters and
+ * flags) carry the combine count c, not the dispatch's e: a handle may be combined more
+ * than once after one dispatch. Two calls of one kind in a row across nodes are ordered on
+ * the host (kernels/backend_gpu.c, settle_same_kind): a dispatch or combine in between
+ * orders them otherwise, since each waits for every other node's slot or partial sums. */
 /* Layout of the proxy's ready counters (host-mapped u64), per phase (0 dispatch, 1
  * combine) and node m: for each block b, {ready, first, count} at 3b (the block's rows of
  * node m's slot are [first, first + count), in place once ready = e); then at
@@ -193,6 +198,9 @@ typedef struct hep_kargs {
     /* N > 1 (this rank's registered buffers; slot j holds node j + (j >= node)'s rows) */
     int *node_pos;                   /* [T][N]: an own token's row in each node's slot or -1 */
     int *node_blocks;                /* [S][N]: own tokens per node of each pack block */
+    int *slot_rows;                  /* [N - 1]: tokens in each other node's slot at this rank
+                                        (the layout's: dispatch writes it once the slots
+                                        arrived, combine sends back that many partial sums) */
     unsigned long long *pack_arrive; /* pack blocks that counted / that finished */
     unsigned long long *pack_done;
     unsigned long long *combine_done;/* combine blocks that finished the partial sums */
@@ -210,6 +218,11 @@ typedef struct hep_kargs {
     unsigned long long *red_words;   /* combine.attn_output_flags: counts [N], flags [N] */
     const char *part_token;          /* combine.rdma_inter_node_group_token [N-1][T] */
     const unsigned long long *part_words; /* combine.rdma_inter_node_group_flags */
+    float *red_prob;                 /* combine.rdma_intra_node_red_prob [N-1][T][R El]: with
+                                        probs_out, each slot token's row of this node's
+                                        experts' probs_in (sent with the partial sums) */
+    const float *part_prob;          /* combine.rdma_inter_node_group_prob: the same rows of
+                                        this rank's tokens from each other node */
     unsigned long long *px;          /* mapped: the proxy's ready counters (HEP_PX_*) */
     int rank0;                       /* global rank of local rank 0 of this node */
     /* the expert-major layout (N = 1; kernels/dispatch.cu, "Expert-major") */
