@@ -16,8 +16,7 @@
 #     virtual nodes over the loopback NIC, STRESS_CALLS (10000) calls a shape within
 #     STRESS_SECONDS (150) a shape, with HEP_DEBUG_JITTER_US=STRESS_JITTER_US (20), then
 #     STRESS_SAN_CALLS (200) calls a shape under compute-sanitizer memcheck and racecheck
-#     (not part of `all`: name it); STRESS_PLAIN=0 leaves the plain run out;
-#     STRESS_LOOPBACK_COPY=kernel: the sanitizer runs with HEP_LOOPBACK_COPY=kernel
+#     (not part of `all`: name it); STRESS_PLAIN=0 leaves the plain run out
 #   train: hybridep bench --layout expert --pad-multiple 128 (TRAIN_DTYPES: bf16 fp8; the
 #     training API's GPU tests run in `test`) (not part of `all`: name it)
 #   profile: Nsight Compute on the one-rank dispatch and combine at PROFILE_SMS (16) SMs: the
@@ -181,7 +180,6 @@ if named stress; then
     fi
     for tool in memcheck racecheck; do
       step "compute-sanitizer $tool stress_internode gpu: ${STRESS_SAN_CALLS:-200} calls a shape"
-      HEP_LOOPBACK_COPY=${STRESS_LOOPBACK_COPY:-memcpy} \
       HEP_GPU_MR_MODE=dmabuf HEP_LOG_LEVEL=warn HEP_DEBUG_JITTER_US=$J HEP_TIMEOUT_MS=20000 \
         HEP_STRESS_CALLS=${STRESS_SAN_CALLS:-200} HEP_STRESS_SECONDS=${STRESS_SAN_SECONDS:-60} \
         timeout ${STRESS_SAN_LIMIT:-250} compute-sanitizer --tool $tool $B/stress_internode gpu

@@ -406,15 +406,6 @@ static void env_rejects_signed_and_oversized_values_and_caps_the_timeout(void **
     assert_string_equal(e->nic_map, "0:mlx5_0,1:mlx5_1");
     assert_string_equal(e->errors, "");
     unsetenv("HEP_NIC_MAP");
-    /* a choice knob names every value it takes */
-    setenv("HEP_LOOPBACK_COPY", "dma", 1);
-    e = hep_env_reload();
-    assert_int_equal(e->loopback_kernel, 0);
-    assert_non_null(strstr(e->errors, "HEP_LOOPBACK_COPY='dma' (expected one of memcpy|kernel)"));
-    setenv("HEP_LOOPBACK_COPY", "KERNEL", 1);
-    assert_int_equal(hep_env_reload()->loopback_kernel, 1);
-    unsetenv("HEP_LOOPBACK_COPY");
-    assert_int_equal(hep_env_reload()->loopback_kernel, 0);
     hep_env_reload();
 }
 

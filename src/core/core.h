@@ -42,8 +42,6 @@ typedef struct hep_env {
     int gid_index;          /* HEP_IB_GID_INDEX: 0..255; -1 = pick RoCE v2 automatically */
     const char *ibverbs_lib;/* HEP_IBVERBS_LIB: path of libibverbs (default libibverbs.so.1) */
     const char *nic;        /* HEP_NIC: loopback|verbs|auto (default auto) */
-    int loopback_kernel;    /* HEP_LOOPBACK_COPY: memcpy (0, default) | kernel (1): how the
-                               loopback NIC copies between device buffers */
     uint64_t jitter_us;     /* HEP_DEBUG_JITTER_US: 0 (default, off) or the most microseconds
                                of each random delay injected where the inter-node path
                                orders its writes (hep_debug_jitter; kernels: block start) */

@@ -25,14 +25,10 @@ static int parse_choice(hep_env *e, const char *name, const char *const *names, 
     const char *v = getenv(name);
     if (!v || !*v)
         return def;
-    char all[128] = "";
     for (int i = 0; i < count; i++)
         if (strcasecmp(v, names[i]) == 0)
             return i;
-    for (int i = 0; i < count; i++) /* "one of a|b|c" */
-        snprintf(all + strlen(all), sizeof(all) - strlen(all), "%s%s", i ? "|" : "one of ",
-                 names[i]);
-    env_note(e, name, v, all);
+    env_note(e, name, v, names[0]);
     return def;
 }
 
@@ -89,7 +85,6 @@ static void env_read(hep_env *e)
     static const char *const levels[] = {"error", "warn", "info", "debug"};
     static const char *const modes[] = {"auto", "dmabuf", "legacy"};
     static const char *const nics[] = {"auto", "loopback", "verbs"};
-    static const char *const copies[] = {"memcpy", "kernel"};
     const char *gid;
 
     memset(e, 0, sizeof(*e));
@@ -108,7 +103,6 @@ static void env_read(hep_env *e)
     if (!e->ibverbs_lib || !*e->ibverbs_lib)
         e->ibverbs_lib = "libibverbs.so.1";
     e->nic = nics[parse_choice(e, "HEP_NIC", nics, 3, 0)];
-    e->loopback_kernel = parse_choice(e, "HEP_LOOPBACK_COPY", copies, 2, 0);
     e->jitter_us = parse_u64(e, "HEP_DEBUG_JITTER_US", 0, 0, 1000000,
                              "an integer in 0..1000000 (microseconds)", 0);
     e->jitter_seed = parse_u64(e, "HEP_DEBUG_JITTER_SEED", 1, 0, UINT64_MAX,

@@ -13,10 +13,6 @@ extern "C" {
  * there, else -1 with the reason in why. */
 int hep_kernels_probe(int device, char *why, size_t why_len);
 
-/* The loopback NIC's copy of len bytes between two device buffers of the current device,
- * as a kernel on `stream` (HEP_LOOPBACK_COPY=kernel): 0 or the cudaError_t of the launch. */
-int hep_net_copy_async(void *dst, const void *src, size_t len, void *stream);
-
 #ifdef __cplusplus
 }
 #endif

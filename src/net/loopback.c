@@ -10,7 +10,6 @@
 #include <infiniband/verbs.h>
 
 #include "core/core.h"
-#include "kernels/kernels.h"
 #include "net/net.h"
 
 #define LB_MAX_MRS 65536
@@ -178,12 +177,9 @@ static int push_completion(lb_nic *n, uint64_t wr_id, int status, int peer)
     return HEP_OK;
 }
 
-/* device: copy on GPU `gpu` (the source's, where it is device memory), on the NIC's stream
- * there: cudaMemcpyAsync (it runs on the SMs the kernels leave free), or with both buffers
- * device memory and HEP_LOOPBACK_COPY=kernel a copy kernel (under compute-sanitizer a
- * memory copy waits for every running kernel, a kernel does not). */
-static int lb_copy(lb_nic *n, void *dst, const void *src, size_t len, int device, int both,
-                   int gpu)
+/* device: copy with the copy engine of GPU `gpu` (the source's, where it is device
+ * memory), on the NIC's stream there. */
+static int lb_copy(lb_nic *n, void *dst, const void *src, size_t len, int device, int gpu)
 {
     cudaError_t e;
     if (!device) {
@@ -213,10 +209,7 @@ static int lb_copy(lb_nic *n, void *dst, const void *src, size_t len, int device
                             cudaGetErrorString(e));
         n->have_stream = 1;
     }
-    if (both && hep_env_get()->loopback_kernel)
-        e = (cudaError_t)hep_net_copy_async(dst, src, len, n->stream);
-    else
-        e = cudaMemcpyAsync(dst, src, len, cudaMemcpyDefault, n->stream);
+    e = cudaMemcpyAsync(dst, src, len, cudaMemcpyDefault, n->stream);
     if (e == cudaSuccess)
         e = cudaEventRecord(n->last, n->stream);
     if (e != cudaSuccess)
@@ -262,7 +255,6 @@ static int lb_write(hep_net *net, int peer, uint32_t lkey, uint64_t laddr, uint3
     s = (void *)(uintptr_t)(src->base + (laddr - src->iova));
     hep_debug_jitter(); /* stress runs: a write (data or flag) posted late ... */
     rc = lb_copy(n, d, s, len, src->device || dst->device,
-                 src->device && dst->device && src->cuda_dev == dst->cuda_dev,
                  src->device ? src->cuda_dev : dst->cuda_dev);
     if (rc)
         return rc;

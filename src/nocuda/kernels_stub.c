@@ -16,11 +16,6 @@ int hep_kernels_probe(int device, char *why, size_t why_len)
     return -1;
 }
 
-int hep_net_copy_async(void *dst, const void *src, size_t len, void *stream)
-{
-    return (void)dst, (void)src, (void)len, (void)stream, (int)cudaErrorNoDevice;
-}
-
 int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream)
 {
     return (void)a, (void)blocks, (void)stream, cudaErrorNoDevice;
