@@ -377,8 +377,7 @@ typedef struct hep_combine_opts {
  * With the GPU kernels every rank of a combine passes probabilities alike (across nodes
  * the other nodes' share comes back with the partial sums).
  * HEP_ERR_UNAVAILABLE: the GPU kernels with probabilities without a caller handle (the
- * one-shot layout records no routing), or across nodes with an expert-major handle; the
- * host backend's probabilities
+ * one-shot layout records no routing); the host backend's probabilities
  * across nodes with the ranks of a node in several processes (it has them across nodes
  * for the ranks of one process, and for threads or processes of one node). */
 int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_opts *opts);

@@ -437,25 +437,58 @@ __device__ __forceinline__ void em_combine_row(const hep_kargs &a, const char *c
 }
 
 // The probabilities through combine from expert-major rows: probs_out[i][x] = the row's
-// value in destination d's probs_in for every expert x of a written row; 0 elsewhere.
+// value in destination d's probs_in for every expert x of a written row of this node; 0
+// elsewhere. Across nodes an expert x of node M comes from M's dense row of the token's
+// probabilities (em_node_probs there; landed before the flag this kernel waited for), at
+// the token's row in M's slot, as in rank-major (combine_probs).
 __device__ void em_combine_probs(const hep_kargs &a, const float *const *s_pin, int gw, int nw)
 {
     const int lane = threadIdx.x & 31, El = a.El, K = a.K;
-    const size_t E = (size_t)El * a.R;
+    const int Enode = El * a.R, first = a.rank0 * El;
+    const size_t E = (size_t)Enode * a.N, T = (size_t)a.T;
+    const int *epos = a.epos + (size_t)a.node * T * a.kmax;
     for (int i = gw; i < a.t; i += nw) {
         float *po = a.probs_out + (size_t)i * E;
         for (size_t j = (size_t)lane; j < E; j += 32)
             po[j] = 0.f;
         __syncwarp();
-        const int pos = lane < K ? a.epos[(size_t)i * K + lane] : -1;
-        if (pos >= 0) {
-            const int x = a.rec_ids[(size_t)i * K + lane];
-            const float *pin = s_pin[x / El];
+        const int x = lane < K ? a.rec_ids[(size_t)i * K + lane] : -1;
+        const int M = x >= 0 ? x / Enode : -1;
+        if (x >= 0 && M == a.node) {
+            const int pos = epos[(size_t)i * K + lane];
+            const float *pin = pos >= 0 ? s_pin[(x - first) / El] : NULL;
             if (pin)
                 po[x] = __ldcg(pin + pos);
+        } else if (x >= 0) {
+            const int p = a.node_pos[(size_t)i * a.N + M];
+            po[x] = __ldcg(a.part_prob + ((size_t)slot_index(M, a.node) * T + p) * Enode +
+                           (x - M * Enode));
         }
         __syncwarp();
     }
+}
+
+// Across nodes with probabilities, expert-major (the peer's side of em_combine_probs):
+// token i of list L (another node's slot), this node's experts as one dense row: at key
+// d El + e, node-mate d's probs_in value at the token's expert-major row there, for every
+// local expert the token chose (its first slot on it, not dropped); 0 elsewhere, and where
+// the node-mate gave no probs_in. One warp.
+__device__ __forceinline__ void em_node_probs(const hep_kargs &a, const float *const *s_pin,
+                                              int L, int i, float *row)
+{
+    const int lane = threadIdx.x & 31, El = a.El, K = a.kmax;
+    const size_t T = (size_t)a.T, o = (size_t)i * K + lane;
+    for (int j = lane; j < a.R * El; j += 32)
+        row[j] = 0.f;
+    __syncwarp(); /* the zeros before the values, lane to lane */
+    const int pos = lane < K ? (a.epos + (size_t)L * T * K)[o] : -1;
+    if (pos >= 0) {
+        const int key = (a.ekey + (size_t)slot_index(L, a.node) * T * K)[o];
+        const float *pin = s_pin[key / El];
+        if (pin)
+            row[key] = __ldcg(pin + pos);
+    }
+    __syncwarp();
 }
 
 // EM: after combine_done, the last block of this rank waits until every node-mate has
@@ -538,8 +571,10 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
             warp_range(t0, t1, warp, wpb, w0, w1);
             for (int i = w0; i < w1; i++) {
                 uint4 *red = (uint4 *)(a.red_token + ((size_t)s * T + i) * rb);
-                if (EM) { /* no probabilities (group/ep.c refuses them across nodes) */
+                if (EM) {
                     em_combine_row(a, s_x, L, i, red, NULL);
+                    if (a.probs_out) /* every rank of the call alike */
+                        em_node_probs(a, s_pin, L, i, a.red_prob + ((size_t)s * T + i) * R * a.El);
                     continue;
                 }
                 combine_row<false>(a, s_x, L, i, mybase, red, NULL);
