@@ -11,8 +11,10 @@
  * unused slots, an expert nobody chooses and a token on every expert of a rank. Across
  * 2 x 2 and 2 x 4 virtual nodes (the loopback NIC; the nodes_* cases): the one-shot
  * sequence with outputs in caller memory and the zero-copy view, and the handle sequence
- * with probabilities through combine, BF16 and FP8, int32 and int64 routing; what stays
- * refused there is checked to be. Without a GPU it skips with the reason. HEP_GPU_TEST_SMALL=1 runs small shapes
+ * with probabilities through combine, BF16 and FP8, int32 and int64 routing; the
+ * expert-major handle sequence (pad 1, 16, 128, BF16 and FP8, a budget overflow, a reused
+ * layout, a handle combined twice, with and without probabilities through combine); what
+ * stays refused there is checked to be. Without a GPU it skips with the reason. HEP_GPU_TEST_SMALL=1 runs small shapes
  * (compute-sanitizer).
  *
  * Each case runs the same per-rank sequence on a host-backend group and on a GPU group;
@@ -671,27 +673,19 @@ out:
 }
 
 /* GPU across nodes: what the kernels do not take there is refused with the reason before
- * any collective work (every rank alike): the expert-major layout (not yet), probabilities
- * through combine without a caller handle (the one-shot layout records no routing). */
+ * any collective work (every rank alike): probabilities through combine without a caller
+ * handle (the one-shot layout records no routing). (The expert-major layout with a node's
+ * ranks in several processes, refused too, needs processes: tests/test_train.c checks the
+ * host's decision.) */
 static int nodes_refusals(tcase *c, rank_ctx *x, hep_group *g, hep_handle *h, rank_bufs *b,
                           void *st)
 {
     const int r = x->rank;
     struct rout *o = &c->out[c->gpu][r];
-    hep_dispatch_result dr;
-    hep_dispatch_opts xo = opts_into(b, h, 0);
-    hep_dispatch_args da = dargs(c, r, b, 0, 0, st, 0);
     int rc;
+    (void)h;
     if (!c->gpu)
         return 0;
-    xo.layout = HEP_LAYOUT_EXPERT_MAJOR;
-    xo.pad_multiple = 16;
-    xo.num_permuted_tokens = 16 * c->T;
-    if ((rc = hep_dispatch_ex(g, &da, &xo, &dr)) != HEP_ERR_UNAVAILABLE ||
-        !strstr(hep_last_error(), "expert-major layout is implemented by the GPU kernels for "
-                                  "one node only"))
-        FAIL("rank %d: expert-major across nodes: %s (%s), want HEP_ERR_UNAVAILABLE", r,
-             hep_status_name(rc), hep_last_error());
     if ((rc = do_combine(g, NULL, b, 0, st, 0, 1)) != HEP_ERR_UNAVAILABLE ||
         !strstr(hep_last_error(), "with a caller handle only"))
         FAIL("rank %d: probabilities through combine across nodes without a handle: %s (%s), "
@@ -1272,6 +1266,85 @@ static void nodes_2x4_handles_interleaved_reused_and_combined_twice_fp8(void **s
     nodes_case(2, 4, 1, 0, 0, 36u, "2 x 4 nodes, handles, fp8");
 }
 
+/* The expert-major layout across N x R virtual nodes: the handle sequence (A into hA with
+ * budget 0, B into hB, combine hA, hA's layout reused with new tokens, combine hB, hA
+ * again), with probabilities through every combine or without; over: hA's budget drops
+ * rows on the busiest ranks. */
+static void nodes_em_case(int N, int R, int fp8, int idx64, int pad, int over, int probs,
+                          unsigned seed, const char *name)
+{
+    tcase *c = new_case();
+    make_em_case(c, N * R, small_only() ? 24 : 96, small_only() ? 128 : 1024, fp8, pad, over,
+                 seed);
+    c->R = R;
+    c->cfg.ranks_per_node = R;
+    c->idx64 = idx64;
+    c->noprobs = !probs;
+    run_case(c, name);
+    free(c);
+}
+
+static void nodes_2x2_expert_major_pad_1_bf16(void **state)
+{
+    (void)state;
+    nodes_em_case(2, 2, 0, 0, 1, 0, 0, 41u, "2 x 2 nodes, expert-major, pad 1, bf16");
+}
+
+static void nodes_2x4_expert_major_pad_128_bf16_int64(void **state)
+{
+    (void)state;
+    nodes_em_case(2, 4, 0, 1, 128, 0, 0, 42u, "2 x 4 nodes, expert-major, pad 128, bf16, int64");
+}
+
+static void nodes_2x2_expert_major_pad_16_fp8_int64(void **state)
+{
+    (void)state;
+    nodes_em_case(2, 2, 1, 1, 16, 0, 0, 43u, "2 x 2 nodes, expert-major, pad 16, fp8, int64");
+}
+
+static void nodes_2x4_expert_major_budget_overflow_pad_16_fp8(void **state)
+{
+    (void)state;
+    nodes_em_case(2, 4, 1, 0, 16, 1, 0, 44u,
+                  "2 x 4 nodes, expert-major, budget overflow, pad 16, fp8");
+}
+
+static void nodes_2x2_expert_major_budget_overflow_pad_128_bf16(void **state)
+{
+    (void)state;
+    nodes_em_case(2, 2, 0, 0, 128, 1, 0, 45u,
+                  "2 x 2 nodes, expert-major, budget overflow, pad 128, bf16");
+}
+
+static void nodes_2x4_expert_major_budget_overflow_pad_1_bf16(void **state)
+{
+    (void)state;
+    nodes_em_case(2, 4, 0, 0, 1, 1, 0, 46u,
+                  "2 x 4 nodes, expert-major, budget overflow, pad 1, bf16");
+}
+
+static void nodes_2x2_expert_major_probs_through_combine_pad_16_bf16(void **state)
+{
+    (void)state;
+    nodes_em_case(2, 2, 0, 0, 16, 0, 1, 47u,
+                  "2 x 2 nodes, expert-major, probabilities through combine, pad 16, bf16");
+}
+
+static void nodes_2x4_expert_major_probs_through_combine_budget_overflow_pad_128_fp8(void **state)
+{
+    (void)state;
+    nodes_em_case(2, 4, 1, 1, 128, 1, 1, 48u,
+                  "2 x 4 nodes, expert-major, probabilities through combine, budget overflow, "
+                  "pad 128, fp8, int64");
+}
+
+static void nodes_2x4_expert_major_probs_through_combine_pad_1_bf16(void **state)
+{
+    (void)state;
+    nodes_em_case(2, 4, 0, 0, 1, 0, 1, 49u,
+                  "2 x 4 nodes, expert-major, probabilities through combine, pad 1, bf16");
+}
+
 static void em_case(int pad, int fp8, int over, int replays, unsigned seed, const char *name)
 {
     tcase *c = new_case();
@@ -1352,6 +1425,15 @@ int main(void)
         cmocka_unit_test(nodes_2x4_handles_interleaved_reused_and_combined_twice_bf16_int64),
         cmocka_unit_test(nodes_2x2_handles_interleaved_reused_and_combined_twice_fp8_int64),
         cmocka_unit_test(nodes_2x4_handles_interleaved_reused_and_combined_twice_fp8),
+        cmocka_unit_test(nodes_2x2_expert_major_pad_1_bf16),
+        cmocka_unit_test(nodes_2x4_expert_major_pad_128_bf16_int64),
+        cmocka_unit_test(nodes_2x2_expert_major_pad_16_fp8_int64),
+        cmocka_unit_test(nodes_2x4_expert_major_budget_overflow_pad_16_fp8),
+        cmocka_unit_test(nodes_2x2_expert_major_budget_overflow_pad_128_bf16),
+        cmocka_unit_test(nodes_2x4_expert_major_budget_overflow_pad_1_bf16),
+        cmocka_unit_test(nodes_2x2_expert_major_probs_through_combine_pad_16_bf16),
+        cmocka_unit_test(nodes_2x4_expert_major_probs_through_combine_budget_overflow_pad_128_fp8),
+        cmocka_unit_test(nodes_2x4_expert_major_probs_through_combine_pad_1_bf16),
     };
     if (hep_gpu_probe(0)) {
         printf("skipped: no usable GPU: %s\n", hep_last_error());

@@ -787,25 +787,28 @@ static void bad_handles_and_options_are_refused_with_reasons(void **s)
 
 /* What the GPU kernels take across nodes, decided on the host before any GPU work (the
  * checks group/ep.c makes for a GPU group; this runs without a GPU): with one node
- * everything; across nodes the rank-major layout with outputs in caller memory, caller
- * handles and probabilities through combine, and the expert-major layout refused with
- * HEP_ERR_UNAVAILABLE naming it and the node count. */
+ * everything; across nodes both layouts with probabilities through combine, the
+ * expert-major layout with each node's ranks in one process only: with the ranks in
+ * several processes HEP_ERR_UNAVAILABLE naming the option and the node count. */
 static void gpu_kernels_across_nodes_refuse_each_missing_option_by_name(void **s)
 {
     const char *want;
     (void)s;
     assert_int_equal(hep_ep_gpu_nodes_check(1, HEP_LAYOUT_EXPERT_MAJOR, 1, 1, "x"), HEP_OK);
     assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 0, 0, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(4, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, "hep_dispatch_ex"),
-                     HEP_ERR_UNAVAILABLE);
-    want = "hep_dispatch_ex: the expert-major layout is implemented by the GPU kernels for one "
-           "node only, not across 4 nodes";
-    assert_non_null(strstr(hep_last_error(), want));
     assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 1, 0, "x"), HEP_OK);
     assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 1, 1, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 1, 1, "hep_dispatch_ex"),
+    assert_int_equal(hep_ep_gpu_nodes_check(4, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 0, 1, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(4, HEP_LAYOUT_EXPERT_MAJOR, 1, 0, "hep_dispatch_ex"),
                      HEP_ERR_UNAVAILABLE);
-    assert_non_null(strstr(hep_last_error(), "not across 2 nodes"));
+    want = "hep_dispatch_ex: the GPU kernels have the expert-major layout across 4 nodes with "
+           "each node's ranks in one process only";
+    assert_non_null(strstr(hep_last_error(), want));
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 1, 1, "hep_combine_ex"),
+                     HEP_ERR_UNAVAILABLE);
+    assert_non_null(strstr(hep_last_error(), "hep_combine_ex: the GPU kernels have the "
+                                             "expert-major layout across 2 nodes"));
 }
 
 /* The GPU backend (one node) takes a caller handle (here with no tokens) and combines

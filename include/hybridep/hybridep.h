@@ -342,9 +342,11 @@ typedef struct hep_dispatch_opts {
  * HEP_ERR_INVALID for a num_permuted_tokens above it; every rank of a call must use
  * the expert-major layout alike; the counts reach the host in the blocking mode only);
  * across nodes the GPU kernels have caller handles (a reuse lays out anew from the
- * recorded routing, with the same result) and rank-major outputs in caller memory, not
- * the expert-major layout yet, and two calls of one kind in a row meet at a bootstrap
- * barrier once the previous one ended on each rank; the host backend has all of them,
+ * recorded routing, with the same result), rank-major outputs in caller memory and the
+ * expert-major layout with a caller handle and each node's ranks in one process
+ * (HEP_ERR_UNAVAILABLE with the ranks in several processes), and two calls of one kind in
+ * a row meet at a bootstrap barrier once the previous one ended on each rank; the host
+ * backend has all of them,
  * except the expert-major layout across nodes with the ranks of a node in several
  * processes. */
 int hep_dispatch_ex(hep_group *g, const hep_dispatch_args *a, hep_dispatch_opts *opts,

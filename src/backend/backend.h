@@ -140,10 +140,13 @@ struct hep_handle {
     int *d_ids;          /* [T][kmax] the routing (int32, -1 = none), with the row width topk */
     float *d_w;          /* [T][kmax] its weights */
     /* expert-major (see kernels/dispatch.cu): */
-    int *d_epos;         /* [T][kmax] each own slot's row in its destination's expert-major
+    int *d_epos;         /* [N][T][kmax] each slot's row of each list (own tokens; across
+                            nodes each other node's slot) in its destination's expert-major
                             output (first slot of an expert only; -1: none or dropped) */
-    int *d_ebase;        /* [R][El] this rank's first row in each node-mate's block e */
-    int *d_ebc;          /* [S][R][El] scratch: each dispatch block's counts per expert */
+    int *d_ebase;        /* [N][R][El] each list's first row in each node-mate's block e */
+    int *d_ebc;          /* [N][S][R][El] scratch: each dispatch block's counts per expert */
+    int *d_ekey;         /* [N - 1][T][kmax] across nodes: the (node-mate, local expert)
+                            d El + e of each slot's row of each other node's slot, or -1 */
     int *d_em;           /* [HEP_EM_WORDS] num_permuted, overflow, overflow_rows, then per
                             local expert its data end and padding end (clipped) */
     int64_t *d_tpe;      /* [El] padded rows per local expert as written */

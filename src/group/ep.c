@@ -100,17 +100,18 @@ void hep_ep_teardown(hep_group *g)
     g->be.own_handle = NULL;
 }
 
-int hep_ep_gpu_nodes_check(int N, int layout, int handle, int probs, const char *call)
+int hep_ep_gpu_nodes_check(int N, int layout, int procs, int probs, const char *call)
 {
-    if (N <= 1)
-        return HEP_OK;
-    if (layout == HEP_LAYOUT_EXPERT_MAJOR)
+    (void)probs; /* probabilities through combine: both layouts, every node count */
+    if (N <= 1 || layout != HEP_LAYOUT_EXPERT_MAJOR)
+        return HEP_OK; /* rank-major: caller handles, probabilities, every node count */
+    if (procs)
         return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "%s: the expert-major layout is implemented by the GPU kernels for one "
-                        "node only, not across %d nodes (the host backend has it): use the "
-                        "rank-major layout",
+                        "%s: the GPU kernels have the expert-major layout across %d nodes with "
+                        "each node's ranks in one process only (this node's ranks are in "
+                        "several processes, whose caller memory the node-mates' kernels cannot "
+                        "address): use the rank-major layout",
                         call, N);
-    (void)handle, (void)probs; /* caller handles, probabilities: every node count */
     return HEP_OK;
 }
 
@@ -240,7 +241,7 @@ static int check_dispatch_opts(hep_group *g, const hep_dispatch_args *a, const h
                         "recv_tokens, recv_probs%s must be given",
                         fp8 ? " and recv_scales (FP8)" : "");
     if (g->cfg.backend == HEP_BACKEND_GPU &&
-        (rc = hep_ep_gpu_nodes_check(g->N, layout, 0, 0, "hep_dispatch_ex")))
+        (rc = hep_ep_gpu_nodes_check(g->N, layout, !g->mates_one_process, 0, "hep_dispatch_ex")))
         return rc;
     if (g->cfg.backend == HEP_BACKEND_GPU && layout == HEP_LAYOUT_EXPERT_MAJOR && !x->handle)
         return hep_fail(HEP_ERR_UNAVAILABLE,
@@ -264,9 +265,6 @@ static int check_dispatch_opts(hep_group *g, const hep_dispatch_args *a, const h
                         "%d rows, or create the group with a larger max_permuted_rows",
                         x->num_permuted_tokens, g->cfg.max_permuted_rows,
                         g->cfg.max_permuted_rows / pad * pad);
-    if (g->cfg.backend == HEP_BACKEND_GPU &&
-        (rc = hep_ep_gpu_nodes_check(g->N, layout, x->handle != NULL, 0, "hep_dispatch_ex")))
-        return rc;
     if (g->shm && g->N > 1 && layout == HEP_LAYOUT_EXPERT_MAJOR)
         return hep_fail(HEP_ERR_UNAVAILABLE,
                         "hep_dispatch_ex: the host backend has the expert-major layout across "
@@ -328,10 +326,6 @@ int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_op
     if (!c->probs_in != !c->probs_out)
         return hep_fail(HEP_ERR_INVALID, "hep_combine_ex: probs_in and probs_out go together "
                         "(one of them is NULL)");
-    if (g->cfg.backend == HEP_BACKEND_GPU &&
-        (rc = hep_ep_gpu_nodes_check(g->N, HEP_LAYOUT_RANK_MAJOR, c->handle != NULL,
-                                     c->probs_in != NULL, "hep_combine_ex")))
-        return rc;
     if (g->cfg.backend == HEP_BACKEND_GPU && c->probs_in && !c->handle)
         return hep_fail(HEP_ERR_UNAVAILABLE,
                         "hep_combine_ex: the GPU kernels carry probabilities back with a caller "
@@ -349,6 +343,10 @@ int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_op
                         (unsigned long long)a->handle, (unsigned long long)g->be.last_handle);
     h = c->handle ? c->handle : g->be.own_handle;
     if ((rc = hep_handle_check(g, h, 1, "hep_combine_ex")))
+        return rc;
+    if (g->cfg.backend == HEP_BACKEND_GPU &&
+        (rc = hep_ep_gpu_nodes_check(g->N, h->layout, !g->mates_one_process,
+                                     c->probs_in != NULL, "hep_combine_ex")))
         return rc;
     if (c->probs_in && g->cfg.backend == HEP_BACKEND_HOST && g->N > 1 && g->shm)
         return hep_fail(HEP_ERR_UNAVAILABLE,

@@ -45,11 +45,12 @@ void hep_ep_teardown(hep_group *g);
 /* The proxy's counters and the last dispatch's device timestamps (hep_group_get_stats). */
 void hep_ep_fill_stats(const hep_group *g, hep_group_stats *s);
 /* What the GPU kernels take across N nodes, for one call of `call` (its name in the
- * message): the layout (hep_layout: rank-major only), whether a caller handle is given
- * (recorded, reused or combined) and whether probabilities come back through combine
- * (both taken). 0 (also for N = 1), or HEP_ERR_UNAVAILABLE naming the option. Needs no
- * GPU (tests/test_train.c). */
-int hep_ep_gpu_nodes_check(int N, int layout, int handle, int probs, const char *call);
+ * message): the layout (hep_layout: both; expert-major with each node's ranks in one
+ * process only), whether the node's ranks are in several processes, and whether
+ * probabilities come back through combine (taken with both layouts). Caller handles are
+ * taken with every layout. 0 (also for N = 1), or HEP_ERR_UNAVAILABLE naming the option.
+ * Needs no GPU (tests/test_train.c). */
+int hep_ep_gpu_nodes_check(int N, int layout, int procs, int probs, const char *call);
 /* group/handle.c */
 struct hep_handle *hep_handle_alloc(const hep_group *g);
 /* 0 if h was created by g and (filled) holds a layout, else HEP_ERR_INVALID naming why. */

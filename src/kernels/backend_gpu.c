@@ -400,7 +400,7 @@ static int em_staged(const hep_backend_ctx *g)
     return !g->mates_one_process;
 }
 
-/* The expert-major arguments of a GPU dispatch (one node, a caller handle): the handle's
+/* The expert-major arguments of a GPU dispatch (a caller handle): the handle's
  * positions and words, this rank's caller outputs (staged: its staging, and the caller's
  * outputs for the copy after the kernel); or none (em = 0). */
 static void em_setup(hep_backend_ctx *g, hep_handle *h, const hep_dispatch_opts *x, int reuse, int em)
@@ -415,6 +415,7 @@ static void em_setup(hep_backend_ctx *g, hep_handle *h, const hep_dispatch_opts 
     k->epos = h->d_epos;
     k->ebase = h->d_ebase;
     k->ebc = h->d_ebc;
+    k->ekey = h->d_ekey;
     k->em = h->d_em;
     k->tpe64 = (long long *)h->d_tpe;
     k->em_tokens = x->recv_tokens;
@@ -631,6 +632,7 @@ static int gpu_combine(hep_backend_ctx *g, const hep_combine_args *a, const hep_
     if (em) { /* read where they are: the node-mates' kernels take these pointers (staged:
                  copied into this rank's staging first, where they read them) */
         k->epos = h->d_epos;
+        k->ekey = h->d_ekey;
         k->em = h->d_em;
         k->combine_in = a->expert_out;
     }
@@ -675,11 +677,13 @@ static int handle_device(const hep_backend_ctx *g, struct hep_handle *h)
     const size_t R = (size_t)g->R, El = (size_t)g->cfg->experts_per_rank;
     const size_t S = (size_t)g->cfg->dispatch_sms, N = (size_t)g->N, W = (size_t)g->world;
     /* rank-major: rows of the N lists, meta, counts, ids, weights; expert-major: positions,
-     * bases, the blocks' counts, the words and padding ranges; the receive capacity's 3
-     * words; across nodes the own tokens' rows in each node's slot and the slots' sizes;
-     * then the int64 tokens per expert */
-    const size_t ints = T * W + W + 2 + El + T * K + T * K + T * K + R * El + S * R * El +
-                        HEP_EM_WORDS + 2 * El + 3 + T * N + N;
+     * bases and the blocks' counts of each list, the words and padding ranges; the receive
+     * capacity's 3 words; across nodes the own tokens' rows in each node's slot and the
+     * slots' sizes, then the keys of the slots' expert-major rows; then the int64 tokens
+     * per expert */
+    const size_t ints = T * W + W + 2 + El + T * K + T * K + N * T * K + N * R * El +
+                        N * S * R * El + HEP_EM_WORDS + 2 * El + 3 + T * N + N +
+                        (N - 1) * T * K;
     const size_t ints8 = (ints + 1) & ~(size_t)1, bytes = ints8 * 4 + El * 8;
     int prev = -1;
     cudaError_t e = cudaGetDevice(&prev);
@@ -706,12 +710,13 @@ static int handle_device(const hep_backend_ctx *g, struct hep_handle *h)
     h->d_ids = h->d_counts + 2 + El;
     h->d_w = (float *)(h->d_ids + T * K);
     h->d_epos = (int *)(h->d_w + T * K);
-    h->d_ebase = h->d_epos + T * K;
-    h->d_ebc = h->d_ebase + R * El;
-    h->d_em = h->d_ebc + S * R * El;
+    h->d_ebase = h->d_epos + N * T * K;
+    h->d_ebc = h->d_ebase + N * R * El;
+    h->d_em = h->d_ebc + N * S * R * El;
     h->d_drop = h->d_em + HEP_EM_WORDS + 2 * El;
     h->d_npos = h->d_drop + 3;
     h->d_slots = h->d_npos + T * N;
+    h->d_ekey = h->d_slots + N;
     h->d_tpe = (int64_t *)((int *)h->dev + ints8);
     return HEP_OK;
 }

@@ -356,18 +356,60 @@ __device__ __forceinline__ void em_sum_rows(const char *src, int n, size_t rb, u
     }
 }
 
-// One warp: own token i's expert-major rows (lane k: slot k's row at its destination, -1
-// for none, a repeated slot or a dropped row) summed into `out`.
-__device__ __forceinline__ void em_combine_row(const hep_kargs &a, const char *const *s_x, int i,
-                                               uint4 *out)
+// One warp: token i of list L's expert-major rows on this node (lane k: slot k's row at its
+// destination, -1 for none, a repeated slot or a dropped row) summed into `out`, by
+// ascending key d El + e (this node's experts in ascending order), then (parts: own tokens
+// across nodes) each other node's partial sum of the token, in ascending node, rounded
+// once. The keys: for own tokens the recorded routing's ids less this node's first, for
+// another node's slot (N > 1) the handle's ekey. A token's rows and partial sums take at
+// most one lane each: each of them needs a slot of its own among the token's K <= 32.
+__device__ __forceinline__ void em_combine_row(const hep_kargs &a, const char *const *s_x, int L,
+                                               int i, uint4 *out, const char *parts)
 {
-    const int lane = threadIdx.x & 31, El = a.El, K = a.K;
-    const size_t rb = (size_t)a.H * 2;
-    const int pos = lane < K ? a.epos[(size_t)i * K + lane] : -1;
-    const int x = pos >= 0 ? a.rec_ids[(size_t)i * K + lane] : 0x7fffffff;
+    const int lane = threadIdx.x & 31, El = a.El, own = L == a.node, K = own ? a.K : a.kmax;
+    const size_t rb = (size_t)a.H * 2, T = (size_t)a.T;
+    const int pos = lane < K ? (a.epos + (size_t)L * T * a.kmax)[(size_t)i * K + lane] : -1;
+    const int x = pos < 0 ? 0x7fffffff
+                  : own   ? a.rec_ids[(size_t)i * K + lane] - a.rank0 * El
+                          : (a.ekey + (size_t)slot_index(L, a.node) * T * a.kmax)[(size_t)i * K + lane];
     const unsigned vm = __ballot_sync(FULL, pos >= 0);
-    const int n = __popc(vm);
+    int n = __popc(vm);
     const char *mine = pos >= 0 ? s_x[x / El] + (size_t)pos * rb : NULL;
+    if (parts) { /* lanes n.. : the partial sums, node by node (words of 32 nodes) */
+        const int *np = a.node_pos + (size_t)i * a.N;
+        const char *pm = NULL;
+        int m = 0;
+        for (int g0 = 0; g0 < a.N; g0 += 32) {
+            const int M = g0 + lane;
+            const int p = M < a.N && M != a.node ? np[M] : -1;
+            const char *src = p >= 0 ? parts + ((size_t)slot_index(M, a.node) * T + p) * rb : NULL;
+            const unsigned bl = __ballot_sync(FULL, p >= 0);
+            for (unsigned q = bl; q; q &= q - 1, m++) {
+                const char *sq = (const char *)__shfl_sync(FULL, (unsigned long long)src, __ffs(q) - 1);
+                if (lane == n + m)
+                    pm = sq;
+            }
+        }
+        if (m) { /* rank the rows first (below), then put the partial sums after them */
+            int rank = 0, who = 0;
+            for (unsigned q = vm; q; q &= q - 1)
+                rank += __shfl_sync(FULL, x, __ffs(q) - 1) < x;
+            for (unsigned q = vm; q; q &= q - 1) {
+                const int j = __ffs(q) - 1;
+                if (__shfl_sync(FULL, rank, j) == lane)
+                    who = j;
+            }
+            const char *ranked = (const char *)__shfl_sync(FULL, (unsigned long long)mine, who);
+            if (lane >= n)
+                ranked = pm;
+            n += m;
+            if (n == 1)
+                copy_row((const uint4 *)__shfl_sync(FULL, (unsigned long long)ranked, 0), out, rb);
+            else
+                em_sum_rows<4>(ranked, n, rb, out);
+            return;
+        }
+    }
     if (n == 0) { /* no row: the empty sum, -0.0 in every channel */
         const uint4 z = make_uint4(0x80008000u, 0x80008000u, 0x80008000u, 0x80008000u);
         for (int k = lane; k < (int)(rb / 16); k += 32)
@@ -395,25 +437,58 @@ __device__ __forceinline__ void em_combine_row(const hep_kargs &a, const char *c
 }
 
 // The probabilities through combine from expert-major rows: probs_out[i][x] = the row's
-// value in destination d's probs_in for every expert x of a written row; 0 elsewhere.
+// value in destination d's probs_in for every expert x of a written row of this node; 0
+// elsewhere. Across nodes an expert x of node M comes from M's dense row of the token's
+// probabilities (em_node_probs there; landed before the flag this kernel waited for), at
+// the token's row in M's slot, as in rank-major (combine_probs).
 __device__ void em_combine_probs(const hep_kargs &a, const float *const *s_pin, int gw, int nw)
 {
     const int lane = threadIdx.x & 31, El = a.El, K = a.K;
-    const size_t E = (size_t)El * a.R;
+    const int Enode = El * a.R, first = a.rank0 * El;
+    const size_t E = (size_t)Enode * a.N, T = (size_t)a.T;
+    const int *epos = a.epos + (size_t)a.node * T * a.kmax;
     for (int i = gw; i < a.t; i += nw) {
         float *po = a.probs_out + (size_t)i * E;
         for (size_t j = (size_t)lane; j < E; j += 32)
             po[j] = 0.f;
         __syncwarp();
-        const int pos = lane < K ? a.epos[(size_t)i * K + lane] : -1;
-        if (pos >= 0) {
-            const int x = a.rec_ids[(size_t)i * K + lane];
-            const float *pin = s_pin[x / El];
+        const int x = lane < K ? a.rec_ids[(size_t)i * K + lane] : -1;
+        const int M = x >= 0 ? x / Enode : -1;
+        if (x >= 0 && M == a.node) {
+            const int pos = epos[(size_t)i * K + lane];
+            const float *pin = pos >= 0 ? s_pin[(x - first) / El] : NULL;
             if (pin)
                 po[x] = __ldcg(pin + pos);
+        } else if (x >= 0) {
+            const int p = a.node_pos[(size_t)i * a.N + M];
+            po[x] = __ldcg(a.part_prob + ((size_t)slot_index(M, a.node) * T + p) * Enode +
+                           (x - M * Enode));
         }
         __syncwarp();
     }
+}
+
+// Across nodes with probabilities, expert-major (the peer's side of em_combine_probs):
+// token i of list L (another node's slot), this node's experts as one dense row: at key
+// d El + e, node-mate d's probs_in value at the token's expert-major row there, for every
+// local expert the token chose (its first slot on it, not dropped); 0 elsewhere, and where
+// the node-mate gave no probs_in. One warp.
+__device__ __forceinline__ void em_node_probs(const hep_kargs &a, const float *const *s_pin,
+                                              int L, int i, float *row)
+{
+    const int lane = threadIdx.x & 31, El = a.El, K = a.kmax;
+    const size_t T = (size_t)a.T, o = (size_t)i * K + lane;
+    for (int j = lane; j < a.R * El; j += 32)
+        row[j] = 0.f;
+    __syncwarp(); /* the zeros before the values, lane to lane */
+    const int pos = lane < K ? (a.epos + (size_t)L * T * K)[o] : -1;
+    if (pos >= 0) {
+        const int key = (a.ekey + (size_t)slot_index(L, a.node) * T * K)[o];
+        const float *pin = s_pin[key / El];
+        if (pin)
+            row[key] = __ldcg(pin + pos);
+    }
+    __syncwarp();
 }
 
 // EM: after combine_done, the last block of this rank waits until every node-mate has
@@ -485,7 +560,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     }
     if (!block_all(ok))
         return;
-    if (!EM && N > 1) {
+    if (N > 1) {
         for (int L = 0; L < N; L++) {
             if (L == a.node)
                 continue;
@@ -495,8 +570,14 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
             block_range(t, b, S, t0, t1);
             warp_range(t0, t1, warp, wpb, w0, w1);
             for (int i = w0; i < w1; i++) {
-                combine_row<false>(a, s_x, L, i, mybase,
-                                   (uint4 *)(a.red_token + ((size_t)s * T + i) * rb), NULL);
+                uint4 *red = (uint4 *)(a.red_token + ((size_t)s * T + i) * rb);
+                if (EM) {
+                    em_combine_row(a, s_x, L, i, red, NULL);
+                    if (a.probs_out) /* every rank of the call alike */
+                        em_node_probs(a, s_pin, L, i, a.red_prob + ((size_t)s * T + i) * R * a.El);
+                    continue;
+                }
+                combine_row<false>(a, s_x, L, i, mybase, red, NULL);
                 if (a.probs_out) /* every rank of the call alike */
                     node_probs(a, L, i, a.red_prob + ((size_t)s * T + i) * R * a.El);
             }
@@ -533,7 +614,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     for (int i = w0; i < w1; i++) {
         uint4 *out = (uint4 *)((char *)a.combine_out + (size_t)i * rb);
         if (EM)
-            em_combine_row(a, s_x, i, out);
+            em_combine_row(a, s_x, a.node, i, out, parts);
         else
             combine_own(a, s_x, i, mybase, out, parts);
     }
@@ -552,7 +633,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
         for (int i = i0; i < min(a.t, i0 + GRAB); i++) {
             uint4 *out = (uint4 *)((char *)a.combine_out + (size_t)i * rb);
             if (EM)
-                em_combine_row(a, s_x, i, out);
+                em_combine_row(a, s_x, a.node, i, out, parts);
             else
                 combine_own(a, s_x, i, mybase, out, parts);
         }

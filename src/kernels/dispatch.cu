@@ -205,8 +205,8 @@ static_assert(DISPATCH_THREADS >= HEP_GPU_MAX_NODES, "one thread per other node 
 
 #include "kernels/expert_major.cuh"
 
-// EM: the expert-major layout (one node, kernels/expert_major.cuh); the rank-major kernel
-// is the EM = false instance, its loops untouched.
+// EM: the expert-major layout (kernels/expert_major.cuh); the rank-major kernel is the
+// EM = false instance, its loops untouched.
 template <bool EM>
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
 {
@@ -281,10 +281,10 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
         LTRACE(9);
         layout_report(a, s, t_start, t_layout);
         if (EM)
-            em_places(a, s);
+            em_places(a, s, list_of(a, a.node), a.node);
     } else {
         if (EM)
-            em_places(a, s);
+            em_places(a, s, list_of(a, a.node), a.node);
         if (!grid_wait(a, a.layout_ready, e))
             return;
     }
@@ -292,9 +292,17 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     // 3. push the own tokens (while the other nodes' rows may still travel), then theirs;
     // nothing when the layout exceeded the receive capacity (every rank decided the same)
     const bool over = a.cap && ld_l2(a.over);
-    if (EM) { /* one node only (group/ep.c refuses it across nodes) */
+    if (EM) { /* across nodes (no receive capacity there: over is 0), then the slots */
         if (!over)
             em_push(a, s, s_x, s_prob, s_scale);
+        if (N > 1) {
+            if (!wait_slots(a, a.slot_words + N, e, HEP_STAGE_NODE_DISPATCH))
+                return;
+            if (b == 0 && tid < N - 1) /* the layout keeps them for its combines */
+                a.slot_rows[tid] = (int)ld_relaxed(a.slot_words + tid);
+            if (!em_push_slots(a, e, s, s_x, s_prob, s_scale))
+                return;
+        }
         arrive_all(a, e);
         return;
     }

@@ -49,7 +49,7 @@
 
 /* Layout of a rank's flags buffer (u64 monotonic counters), in words. */
 #define HEP_FLAG_COUNTS_READY 0     /* this rank published its counts for call e */
-/* Expert-major (N = 1): where this rank's caller memory is, for its node-mates' kernels.
+/* Expert-major: where this rank's caller memory is, for its node-mates' kernels.
  * Dispatch writes the first three before its COUNTS_READY = e, combine the last two before
  * its COMBINE_READY = c; each call's kernel ends only after every node-mate has finished
  * reading through them (dispatch: their arrivals; combine: their COMBINE_DONE). */
@@ -225,12 +225,14 @@ typedef struct hep_kargs {
                                         this rank's tokens from each other node */
     unsigned long long *px;          /* mapped: the proxy's ready counters (HEP_PX_*) */
     int rank0;                       /* global rank of local rank 0 of this node */
-    /* the expert-major layout (N = 1; kernels/dispatch.cu, "Expert-major") */
+    /* the expert-major layout (kernels/expert_major.cuh) */
     int emajor;                      /* 1: rows at expert-major positions in caller memory */
     int pad, budget;                 /* pad_multiple, num_permuted_tokens */
-    int *epos;                       /* [t][K] the handle's d_epos */
-    int *ebase;                      /* [R][El] d_ebase */
-    int *ebc;                        /* [S][R][El] d_ebc */
+    int *epos;                       /* [N][T][kmax] the handle's d_epos: list L at
+                                        L T kmax (own tokens [t][K], a slot [t][kmax]) */
+    int *ebase;                      /* [N][R][El] d_ebase */
+    int *ebc;                        /* [N][S][R][El] d_ebc */
+    int *ekey;                       /* [N - 1][T][kmax] d_ekey (N > 1) */
     int *em;                         /* d_em */
     long long *tpe64;                /* [El] d_tpe */
     void *em_tokens;                 /* dispatch: this rank's recv_tokens ... */

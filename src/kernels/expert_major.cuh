@@ -1,5 +1,5 @@
-// kernels/expert_major.cuh: the expert-major layout of the dispatch kernel (N = 1), fused
-// into k_dispatch<true> (dispatch.cu): every (token, local expert) row goes straight to its
+// kernels/expert_major.cuh: the expert-major layout of the dispatch kernel, fused into
+// k_dispatch<true> (dispatch.cu): every (token, local expert) row goes straight to its
 // expert-major position in the destination's caller memory, or (a.em_stage: the node's
 // ranks in several processes) in the destination's group-owned staging at the same
 // position, which the destination copies into its caller memory after the kernel
@@ -24,10 +24,38 @@
 //     ebase to its pairs' places: epos holds each pair's row, -1 at or past the budget.
 // A row is dropped exactly when its position is at or past the budget: the host's rule.
 // With HEP_REUSE_LAYOUT steps 1-3 are skipped: epos, em and tpe64 are the handle's.
+//
+// Across nodes (N > 1) the rank forwards N lists (lists.cuh: its own tokens, then each other
+// node's slot), and the sources of a destination's rows are (list, local rank) in that
+// order: the host's [source node][source local rank][token]. Each list has its own epos,
+// ebase and ebc in the handle (em_epos, em_ebase, em_ebc); block 0 derives every list's
+// ebase from the counts layout_publish gathered per (list, source); the own list goes as
+// on one node, while the slots travel; once they arrived (em_push_slots) each block places
+// its pairs of every slot, saves its counts, and after one more grid barrier makes them
+// rows and pushes them. A slot's pair also keeps its key d El + e (ekey), which combine
+// needs (the slot's routing is gone by then).
 #ifndef HEP_KERNELS_EXPERT_MAJOR_CUH
 #define HEP_KERNELS_EXPERT_MAJOR_CUH
 
 #include "kernels/layout.cuh"
+
+// List L's part of the handle's expert-major layout (N = 1: L = 0, the whole of it).
+__device__ __forceinline__ int *em_epos(const hep_kargs &a, int L)
+{
+    return a.epos + (size_t)L * a.T * a.kmax;
+}
+__device__ __forceinline__ int *em_ebase(const hep_kargs &a, int L)
+{
+    return a.ebase + (size_t)L * a.R * a.El;
+}
+__device__ __forceinline__ int *em_ebc(const hep_kargs &a, int L)
+{
+    return a.ebc + (size_t)L * gridDim.x * a.R * a.El;
+}
+__device__ __forceinline__ int *em_ekey(const hep_kargs &a, int L) /* L != a.node */
+{
+    return a.ekey + (size_t)slot_index(L, a.node) * a.T * a.kmax;
+}
 
 // Block 0, at the start of the call: where this rank's caller outputs are, for the
 // node-mates (released with COUNTS_READY by layout_publish or layout_reuse).
@@ -44,8 +72,9 @@ __device__ __forceinline__ void em_publish_outputs(const hep_kargs &a)
 __device__ __forceinline__ void em_save_counts(const hep_kargs &a, const layout_smem &s)
 {
     const int RE = a.R * a.El;
+    int *ebc = em_ebc(a, a.node) + (size_t)blockIdx.x * RE;
     for (int j = threadIdx.x; j < RE; j += blockDim.x)
-        a.ebc[(size_t)blockIdx.x * RE + j] = s.cnt[j];
+        ebc[j] = s.cnt[j];
 }
 
 // 1b. The block's pairs' places among its tokens on each (d, e) into epos (-1: not a
@@ -58,14 +87,18 @@ __device__ __forceinline__ void em_save_counts(const hep_kargs &a, const layout_
 // among the group's lanes) and lists its groups (key, size); one warp then walks the
 // tile's warps in order, 32 groups at a time (a warp's groups have distinct keys), turning
 // each group's size into its base from the running counts s.cnt, in shared memory only.
-static __device__ void em_places(const hep_kargs &a, const layout_smem &s)
+// List L (v): the own tokens, or (N > 1) another node's slot, whose pairs' keys also go to
+// ekey. At the end s.cnt holds the block's counts of the list per (d, e).
+static __device__ void em_places(const hep_kargs &a, const layout_smem &s, const lview &v, int L)
 {
     const int RE = a.R * a.El, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int K = a.K, nw = blockDim.x >> 5, P = (int)(blockDim.x / K) * K;
+    const int K = v.K, nw = blockDim.x >> 5, P = (int)(blockDim.x / K) * K;
     const long long first = (long long)a.rank0 * a.El;
     const unsigned lt = (1u << lane) - 1u;
+    int *epos = em_epos(a, L);
+    int *ekey = v.slot ? em_ekey(a, L) : NULL;
     int t0, t1;
-    block_range(a.t, blockIdx.x, gridDim.x, t0, t1);
+    block_range(v.t, blockIdx.x, gridDim.x, t0, t1);
     for (int j = tid; j < RE; j += blockDim.x)
         s.cnt[j] = 0;
     const int n = (t1 - t0) * K;
@@ -74,7 +107,7 @@ static __device__ void em_places(const hep_kargs &a, const layout_smem &s)
         const bool mine = tid < P && el < n;
         int key = -1;
         if (mine) {
-            const long long x = topk_at(a, i, k);
+            const long long x = list_id(a, v, i, k);
             key = x >= first && x < first + RE ? (int)(x - first) : -1;
         }
         s.pkey[tid] = key;
@@ -106,30 +139,35 @@ static __device__ void em_places(const hep_kargs &a, const layout_smem &s)
             }
         }
         __syncthreads();
-        if (mine)
-            a.epos[(size_t)i * K + k] = key >= 0 ? s.gcnt[warp * 32 + g] + __popc(peers & lt) : -1;
+        if (mine) {
+            epos[(size_t)i * K + k] = key >= 0 ? s.gcnt[warp * 32 + g] + __popc(peers & lt) : -1;
+            if (ekey)
+                ekey[(size_t)i * K + k] = key;
+        }
         __syncthreads(); /* the next tile lists its groups over these */
     }
 }
 
-// 2. Block 0, after layout_publish of call e: ebase, and this rank's own block sizes.
+// 2. Block 0, after layout_publish of call e: every list's ebase, and this rank's own
+// block sizes.
 static __device__ void em_layout(const hep_kargs &a, unsigned long long e, const layout_smem &s)
 {
-    const int R = a.R, El = a.El, RE = R * El, tid = threadIdx.x;
+    const int R = a.R, El = a.El, N = a.N, RE = R * El, tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-    const size_t LW = (size_t)R * (El + 1), par = (size_t)(e & 1) * a.N * LW;
+    const size_t LW = (size_t)R * (El + 1), par = (size_t)(e & 1) * N * LW;
     const long long budget = a.budget, pad = a.pad;
-    // rows on (d, x) from every node-mate (s.cnt) and from those before this rank (ebase)
+    // rows on (d, x) from every source (s.cnt), and, for each list L, from the sources
+    // before (L, this rank) in [list][local rank] order (list L's ebase, unpadded)
     for (int j = tid; j < RE; j += blockDim.x) {
         const int d = j / El, x = j % El;
-        int c = 0, p = 0;
-        for (int q = 0; q < R; q++) {
-            const int v = ld_l2(a.counts[q] + par + (size_t)d * (El + 1) + 1 + x);
-            c += v;
-            p += q < a.local ? v : 0;
-        }
+        int c = 0;
+        for (int L = 0; L < N; L++)
+            for (int q = 0; q < R; q++) {
+                if (q == a.local)
+                    a.ebase[(size_t)L * RE + j] = c;
+                c += ld_l2(a.counts[q] + par + (size_t)L * LW + (size_t)d * (El + 1) + 1 + x);
+            }
         s.cnt[j] = c;
-        a.ebase[j] = p;
     }
     __syncthreads();
     // per destination a warp: the padded blocks' exclusive prefix over its experts
@@ -148,8 +186,11 @@ static __device__ void em_layout(const hep_kargs &a, unsigned long long e, const
             }
             const long long eb = base + incl - pc;
             if (x < El) {
-                const long long p = eb + a.ebase[d * El + x];
-                a.ebase[d * El + x] = (int)(p < budget ? p : budget);
+                for (int L = 0; L < N; L++) {
+                    int *pb = a.ebase + (size_t)L * RE + d * El + x;
+                    const long long p = eb + *pb;
+                    *pb = (int)(p < budget ? p : budget);
+                }
                 if (d == a.local) {
                     const long long start = eb < budget ? eb : budget;
                     const long long dend = eb + c < budget ? eb + c : budget;
@@ -176,26 +217,29 @@ static __device__ void em_layout(const hep_kargs &a, unsigned long long e, const
     __syncthreads();
 }
 
-// 3. Every block, after the layout was released: its pairs' places made rows.
-static __device__ void em_finalize(const hep_kargs &a, const layout_smem &s)
+// 3. Every block, after the layout was released (a slot: after every block placed its
+// pairs): its pairs' places of list L made rows.
+static __device__ void em_finalize(const hep_kargs &a, const layout_smem &s, const lview &v, int L)
 {
-    const int RE = a.R * a.El, tid = threadIdx.x, b = blockIdx.x, K = a.K;
+    const int RE = a.R * a.El, tid = threadIdx.x, b = blockIdx.x, K = v.K;
     const long long first = (long long)a.rank0 * a.El;
+    const int *ebase = em_ebase(a, L), *ebc = em_ebc(a, L);
+    int *epos = em_epos(a, L);
     int t0, t1;
-    block_range(a.t, b, gridDim.x, t0, t1);
+    block_range(v.t, b, gridDim.x, t0, t1);
     for (int j = tid; j < RE; j += blockDim.x) {
-        long long p = ld_l2(a.ebase + j);
+        long long p = ld_l2(ebase + j);
         for (int q = 0; q < b; q++)
-            p += ld_l2(a.ebc + (size_t)q * RE + j);
+            p += ld_l2(ebc + (size_t)q * RE + j);
         s.cnt[j] = (int)(p < a.budget ? p : a.budget);
     }
     __syncthreads();
     for (int el = tid; el < (t1 - t0) * K; el += blockDim.x) {
         const int i = t0 + el / K, k = el % K;
-        int *pp = a.epos + (size_t)i * K + k;
+        int *pp = epos + (size_t)i * K + k;
         const int o = *pp;
         if (o >= 0) {
-            const long long pos = (long long)s.cnt[(int)(topk_at(a, i, k) - first)] + o;
+            const long long pos = (long long)s.cnt[(int)(list_id(a, v, i, k) - first)] + o;
             *pp = pos < a.budget ? (int)pos : -1;
         }
     }
@@ -223,23 +267,25 @@ __device__ void em_zero_padding(const hep_kargs &a)
     }
 }
 
-// One warp pushes own token i: a row, its probability (the token's weights on that expert,
-// summed in slot order) and its scales for every first slot on an expert of this node.
-__device__ __forceinline__ void em_push_token(const hep_kargs &a, int i, char *const *s_x,
-                                              float *const *s_prob, float *const *s_scale)
+// One warp pushes token i of list L (v): a row, its probability (the token's weights on
+// that expert, summed in slot order) and its scales for every first slot on an expert of
+// this node.
+__device__ __forceinline__ void em_push_token(const hep_kargs &a, const lview &v, int L, int i,
+                                              char *const *s_x, float *const *s_prob,
+                                              float *const *s_scale)
 {
-    const int El = a.El, K = a.K, lane = threadIdx.x & 31;
+    const int El = a.El, K = v.K, lane = threadIdx.x & 31;
     const long long first = (long long)a.rank0 * El;
     const size_t rb = (size_t)a.H * a.esize;
     const int nvec = (int)(rb / 16);
     const int passes = (nvec + 32 * DU - 1) / (32 * DU);
     const int per_pass = ((nvec + passes - 1) / passes + 31) & ~31;
-    const int row = lane < K ? a.epos[(size_t)i * K + lane] : -1;
+    const int row = lane < K ? em_epos(a, L)[(size_t)i * K + lane] : -1;
     const unsigned mask = __ballot_sync(FULL, row >= 0);
     if (!mask)
         return;
-    const long long myid = lane < K ? topk_at(a, i, lane) : -2;
-    const float myw = lane < K ? a.weights[(size_t)i * K + lane] : 0.f;
+    const long long myid = lane < K ? list_id(a, v, i, lane) : -2;
+    const float myw = lane < K ? list_w(a, v, i, lane) : 0.f;
     float pk = 0.f;
     for (int q = 0; q < K; q++) {
         const long long x = __shfl_sync(FULL, myid, q);
@@ -247,26 +293,27 @@ __device__ __forceinline__ void em_push_token(const hep_kargs &a, int i, char *c
         pk += x == myid ? w : 0.f;
     }
     const int kd = row >= 0 ? (int)((myid - first) / El) : 0;
-    push_row((const uint4 *)((const char *)a.tokens + (size_t)i * rb), false, mask, kd, row, s_x,
-             rb, nvec, per_pass);
+    push_row((const uint4 *)(v.tok + (size_t)i * rb), v.slot != 0, mask, kd, row, s_x, rb, nvec,
+             per_pass);
     if (row >= 0)
         s_prob[kd][row] = pk;
     for (unsigned m = mask; m; m &= m - 1) { /* scales: the lanes copy one pair's at a time */
         const int k = __ffs(m) - 1;
         const int d = __shfl_sync(FULL, kd, k), r = __shfl_sync(FULL, row, k);
         for (int c = lane; c < a.nscale; c += 32)
-            s_scale[d][(size_t)r * a.nscale + c] = a.scales[(size_t)i * a.nscale + c];
+            s_scale[d][(size_t)r * a.nscale + c] = v.scl[(size_t)i * a.nscale + c];
     }
 }
 
 // Every block after the layout: its pairs' rows (unless reused), the node-mates' output
-// pointers into the block's tables, this rank's padding, then its tokens' rows.
+// pointers into the block's tables, this rank's padding, then its own tokens' rows.
 static __device__ void em_push(const hep_kargs &a, const layout_smem &s, char **s_x,
                                float **s_prob, float **s_scale)
 {
     const int tid = threadIdx.x;
+    const lview own = list_of(a, a.node);
     if (!a.reuse)
-        em_finalize(a, s);
+        em_finalize(a, s, own, a.node);
     if (tid < a.R && a.em_stage) { /* across processes: the node-mates' staging */
         char *base = a.x[tid];
         s_x[tid] = base + a.em_xoff;
@@ -284,7 +331,42 @@ static __device__ void em_push(const hep_kargs &a, const layout_smem &s, char **
     block_range(a.t, blockIdx.x, gridDim.x, t0, t1);
     warp_range(t0, t1, tid >> 5, blockDim.x >> 5, w0, w1);
     for (int i = w0; i < w1; i++)
-        em_push_token(a, i, s_x, s_prob, s_scale);
+        em_push_token(a, own, a.node, i, s_x, s_prob, s_scale);
+}
+
+// N > 1, every block after em_push, once the other nodes' slots arrived (wait_slots): the
+// block's pairs of each slot placed and its counts saved (ebc of that list); one more grid
+// barrier (every block's counts are in); then each slot's places made rows and its tokens
+// pushed. false when a wait gave up.
+static __device__ bool em_push_slots(const hep_kargs &a, unsigned long long e, const layout_smem &s,
+                                     char *const *s_x, float *const *s_prob,
+                                     float *const *s_scale)
+{
+    const int RE = a.R * a.El, tid = threadIdx.x;
+    for (int L = 0; L < a.N; L++) {
+        if (L == a.node)
+            continue;
+        em_places(a, s, list_of(a, L), L);
+        int *ebc = em_ebc(a, L) + (size_t)blockIdx.x * RE;
+        for (int j = tid; j < RE; j += blockDim.x)
+            ebc[j] = s.cnt[j];
+        __syncthreads(); /* before the next list's places zero s.cnt */
+    }
+    grid_arrive(a.grid_arrive2);
+    if (!grid_wait(a, a.grid_arrive2, e * (unsigned long long)gridDim.x))
+        return false;
+    for (int L = 0; L < a.N; L++) {
+        if (L == a.node)
+            continue;
+        const lview v = list_of(a, L);
+        int t0, t1, w0, w1;
+        em_finalize(a, s, v, L);
+        block_range(v.t, blockIdx.x, gridDim.x, t0, t1);
+        warp_range(t0, t1, tid >> 5, blockDim.x >> 5, w0, w1);
+        for (int i = w0; i < w1; i++)
+            em_push_token(a, v, L, i, s_x, s_prob, s_scale);
+    }
+    return true;
 }
 
 #endif
