@@ -1230,42 +1230,6 @@ static void nodes_case(int N, int R, int fp8, int idx64, int oneshot, unsigned s
     free(c);
 }
 
-static void nodes_2x2_one_shot_outputs_in_caller_memory_bf16(void **state)
-{
-    (void)state;
-    nodes_case(2, 2, 0, 0, 1, 31u, "2 x 2 nodes, one-shot, caller outputs, bf16");
-}
-
-static void nodes_2x4_one_shot_outputs_in_caller_memory_fp8_int64(void **state)
-{
-    (void)state;
-    nodes_case(2, 4, 1, 1, 1, 32u, "2 x 4 nodes, one-shot, caller outputs, fp8, int64");
-}
-
-static void nodes_2x2_handles_interleaved_reused_and_combined_twice_bf16(void **state)
-{
-    (void)state;
-    nodes_case(2, 2, 0, 0, 0, 33u, "2 x 2 nodes, handles, bf16");
-}
-
-static void nodes_2x4_handles_interleaved_reused_and_combined_twice_bf16_int64(void **state)
-{
-    (void)state;
-    nodes_case(2, 4, 0, 1, 0, 34u, "2 x 4 nodes, handles, bf16, int64");
-}
-
-static void nodes_2x2_handles_interleaved_reused_and_combined_twice_fp8_int64(void **state)
-{
-    (void)state;
-    nodes_case(2, 2, 1, 1, 0, 35u, "2 x 2 nodes, handles, fp8, int64");
-}
-
-static void nodes_2x4_handles_interleaved_reused_and_combined_twice_fp8(void **state)
-{
-    (void)state;
-    nodes_case(2, 4, 1, 0, 0, 36u, "2 x 4 nodes, handles, fp8");
-}
-
 /* The expert-major layout across N x R virtual nodes: the handle sequence (A into hA with
  * budget 0, B into hB, combine hA, hA's layout reused with new tokens, combine hB, hA
  * again), with probabilities through every combine or without; over: hA's budget drops
@@ -1284,65 +1248,60 @@ static void nodes_em_case(int N, int R, int fp8, int idx64, int pad, int over, i
     free(c);
 }
 
-static void nodes_2x2_expert_major_pad_1_bf16(void **state)
-{
-    (void)state;
-    nodes_em_case(2, 2, 0, 0, 1, 0, 0, 41u, "2 x 2 nodes, expert-major, pad 1, bf16");
-}
+/* The cases across virtual nodes, one row each (cmocka's test name first). */
+typedef struct {
+    const char *test;
+    int N, R, fp8, idx64;
+    int em;      /* 0: rank-major (oneshot: the one-shot sequence); 1: expert-major */
+    int oneshot; /* rank-major */
+    int pad, over, probs; /* expert-major */
+    unsigned seed;
+    const char *label;
+} nodes_spec;
 
-static void nodes_2x4_expert_major_pad_128_bf16_int64(void **state)
-{
-    (void)state;
-    nodes_em_case(2, 4, 0, 1, 128, 0, 0, 42u, "2 x 4 nodes, expert-major, pad 128, bf16, int64");
-}
+static const nodes_spec nodes_specs[] = {
+    {"nodes_2x2_one_shot_outputs_in_caller_memory_bf16", 2, 2, 0, 0, 0, 1, 0, 0, 0, 31u,
+     "2 x 2 nodes, one-shot, caller outputs, bf16"},
+    {"nodes_2x4_one_shot_outputs_in_caller_memory_fp8_int64", 2, 4, 1, 1, 0, 1, 0, 0, 0, 32u,
+     "2 x 4 nodes, one-shot, caller outputs, fp8, int64"},
+    {"nodes_2x2_handles_interleaved_reused_and_combined_twice_bf16", 2, 2, 0, 0, 0, 0, 0, 0, 0,
+     33u, "2 x 2 nodes, handles, bf16"},
+    {"nodes_2x4_handles_interleaved_reused_and_combined_twice_bf16_int64", 2, 4, 0, 1, 0, 0, 0,
+     0, 0, 34u, "2 x 4 nodes, handles, bf16, int64"},
+    {"nodes_2x2_handles_interleaved_reused_and_combined_twice_fp8_int64", 2, 2, 1, 1, 0, 0, 0,
+     0, 0, 35u, "2 x 2 nodes, handles, fp8, int64"},
+    {"nodes_2x4_handles_interleaved_reused_and_combined_twice_fp8", 2, 4, 1, 0, 0, 0, 0, 0, 0,
+     36u, "2 x 4 nodes, handles, fp8"},
+    {"nodes_2x2_expert_major_pad_1_bf16", 2, 2, 0, 0, 1, 0, 1, 0, 0, 41u,
+     "2 x 2 nodes, expert-major, pad 1, bf16"},
+    {"nodes_2x4_expert_major_pad_128_bf16_int64", 2, 4, 0, 1, 1, 0, 128, 0, 0, 42u,
+     "2 x 4 nodes, expert-major, pad 128, bf16, int64"},
+    {"nodes_2x2_expert_major_pad_16_fp8_int64", 2, 2, 1, 1, 1, 0, 16, 0, 0, 43u,
+     "2 x 2 nodes, expert-major, pad 16, fp8, int64"},
+    {"nodes_2x4_expert_major_budget_overflow_pad_16_fp8", 2, 4, 1, 0, 1, 0, 16, 1, 0, 44u,
+     "2 x 4 nodes, expert-major, budget overflow, pad 16, fp8"},
+    {"nodes_2x2_expert_major_budget_overflow_pad_128_bf16", 2, 2, 0, 0, 1, 0, 128, 1, 0, 45u,
+     "2 x 2 nodes, expert-major, budget overflow, pad 128, bf16"},
+    {"nodes_2x4_expert_major_budget_overflow_pad_1_bf16", 2, 4, 0, 0, 1, 0, 1, 1, 0, 46u,
+     "2 x 4 nodes, expert-major, budget overflow, pad 1, bf16"},
+    {"nodes_2x2_expert_major_probs_through_combine_pad_16_bf16", 2, 2, 0, 0, 1, 0, 16, 0, 1, 47u,
+     "2 x 2 nodes, expert-major, probabilities through combine, pad 16, bf16"},
+    {"nodes_2x4_expert_major_probs_through_combine_budget_overflow_pad_128_fp8", 2, 4, 1, 1, 1, 0,
+     128, 1, 1, 48u,
+     "2 x 4 nodes, expert-major, probabilities through combine, budget overflow, pad 128, fp8, "
+     "int64"},
+    {"nodes_2x4_expert_major_probs_through_combine_pad_1_bf16", 2, 4, 0, 0, 1, 0, 1, 0, 1, 49u,
+     "2 x 4 nodes, expert-major, probabilities through combine, pad 1, bf16"},
+};
+#define N_NODES_SPECS ((int)(sizeof(nodes_specs) / sizeof(nodes_specs[0])))
 
-static void nodes_2x2_expert_major_pad_16_fp8_int64(void **state)
+static void nodes_test(void **state)
 {
-    (void)state;
-    nodes_em_case(2, 2, 1, 1, 16, 0, 0, 43u, "2 x 2 nodes, expert-major, pad 16, fp8, int64");
-}
-
-static void nodes_2x4_expert_major_budget_overflow_pad_16_fp8(void **state)
-{
-    (void)state;
-    nodes_em_case(2, 4, 1, 0, 16, 1, 0, 44u,
-                  "2 x 4 nodes, expert-major, budget overflow, pad 16, fp8");
-}
-
-static void nodes_2x2_expert_major_budget_overflow_pad_128_bf16(void **state)
-{
-    (void)state;
-    nodes_em_case(2, 2, 0, 0, 128, 1, 0, 45u,
-                  "2 x 2 nodes, expert-major, budget overflow, pad 128, bf16");
-}
-
-static void nodes_2x4_expert_major_budget_overflow_pad_1_bf16(void **state)
-{
-    (void)state;
-    nodes_em_case(2, 4, 0, 0, 1, 1, 0, 46u,
-                  "2 x 4 nodes, expert-major, budget overflow, pad 1, bf16");
-}
-
-static void nodes_2x2_expert_major_probs_through_combine_pad_16_bf16(void **state)
-{
-    (void)state;
-    nodes_em_case(2, 2, 0, 0, 16, 0, 1, 47u,
-                  "2 x 2 nodes, expert-major, probabilities through combine, pad 16, bf16");
-}
-
-static void nodes_2x4_expert_major_probs_through_combine_budget_overflow_pad_128_fp8(void **state)
-{
-    (void)state;
-    nodes_em_case(2, 4, 1, 1, 128, 1, 1, 48u,
-                  "2 x 4 nodes, expert-major, probabilities through combine, budget overflow, "
-                  "pad 128, fp8, int64");
-}
-
-static void nodes_2x4_expert_major_probs_through_combine_pad_1_bf16(void **state)
-{
-    (void)state;
-    nodes_em_case(2, 4, 0, 0, 1, 0, 1, 49u,
-                  "2 x 4 nodes, expert-major, probabilities through combine, pad 1, bf16");
+    const nodes_spec *p = (const nodes_spec *)*state;
+    if (p->em)
+        nodes_em_case(p->N, p->R, p->fp8, p->idx64, p->pad, p->over, p->probs, p->seed, p->label);
+    else
+        nodes_case(p->N, p->R, p->fp8, p->idx64, p->oneshot, p->seed, p->label);
 }
 
 static void em_case(int pad, int fp8, int over, int replays, unsigned seed, const char *name)
@@ -1404,7 +1363,7 @@ static void expert_major_graph_replays_equal_the_host(void **state)
 
 int main(void)
 {
-    const struct CMUnitTest tests[] = {
+    static const struct CMUnitTest one_node[] = {
         cmocka_unit_test(handles_interleaved_reused_and_combined_twice_bf16),
         cmocka_unit_test(handles_interleaved_reused_and_combined_twice_fp8),
         cmocka_unit_test(handles_with_four_ranks_and_int32_routing),
@@ -1419,22 +1378,16 @@ int main(void)
         cmocka_unit_test(expert_major_budget_overflow_drops_rows_then_fits),
         cmocka_unit_test(expert_major_fp8_budget_overflow),
         cmocka_unit_test(expert_major_graph_replays_equal_the_host),
-        cmocka_unit_test(nodes_2x2_one_shot_outputs_in_caller_memory_bf16),
-        cmocka_unit_test(nodes_2x4_one_shot_outputs_in_caller_memory_fp8_int64),
-        cmocka_unit_test(nodes_2x2_handles_interleaved_reused_and_combined_twice_bf16),
-        cmocka_unit_test(nodes_2x4_handles_interleaved_reused_and_combined_twice_bf16_int64),
-        cmocka_unit_test(nodes_2x2_handles_interleaved_reused_and_combined_twice_fp8_int64),
-        cmocka_unit_test(nodes_2x4_handles_interleaved_reused_and_combined_twice_fp8),
-        cmocka_unit_test(nodes_2x2_expert_major_pad_1_bf16),
-        cmocka_unit_test(nodes_2x4_expert_major_pad_128_bf16_int64),
-        cmocka_unit_test(nodes_2x2_expert_major_pad_16_fp8_int64),
-        cmocka_unit_test(nodes_2x4_expert_major_budget_overflow_pad_16_fp8),
-        cmocka_unit_test(nodes_2x2_expert_major_budget_overflow_pad_128_bf16),
-        cmocka_unit_test(nodes_2x4_expert_major_budget_overflow_pad_1_bf16),
-        cmocka_unit_test(nodes_2x2_expert_major_probs_through_combine_pad_16_bf16),
-        cmocka_unit_test(nodes_2x4_expert_major_probs_through_combine_budget_overflow_pad_128_fp8),
-        cmocka_unit_test(nodes_2x4_expert_major_probs_through_combine_pad_1_bf16),
     };
+    enum { N_ONE_NODE = sizeof(one_node) / sizeof(one_node[0]) };
+    struct CMUnitTest tests[N_ONE_NODE + N_NODES_SPECS];
+    memset(tests, 0, sizeof(tests));
+    memcpy(tests, one_node, sizeof(one_node));
+    for (int i = 0; i < N_NODES_SPECS; i++) { /* the table's rows, by their names */
+        tests[N_ONE_NODE + i].name = nodes_specs[i].test;
+        tests[N_ONE_NODE + i].test_func = nodes_test;
+        tests[N_ONE_NODE + i].initial_state = (void *)&nodes_specs[i];
+    }
     if (hep_gpu_probe(0)) {
         printf("skipped: no usable GPU: %s\n", hep_last_error());
         return 77;
