@@ -1,9 +1,15 @@
-/* The host backend across processes (run under mpirun -np 4, one rank per process): the
- * node-shared arenas go through POSIX shared memory. Proves: dispatch and combine of one
- * node of 4 processes equal the global oracle (BF16 and FP8, int32 and int64 ids, caller
- * and in-place combine inputs, repeated calls); nothing stays in /dev/shm once creation
- * returned and nothing stays mapped or open after destroy; several nodes across processes
- * without a NIC are refused with HEP_ERR_UNAVAILABLE naming the loopback NIC. */
+/* The host backend across processes (run under mpirun -np 4 or 8, one rank per process):
+ * the node-shared arenas go through POSIX shared memory, and with several (virtual) nodes
+ * the loopback NIC across processes carries the inter-node path (the rings of chunks with
+ * credits, the CPU proxy) between the processes' shared segments. Proves: dispatch and
+ * combine of one node of all processes, and of 2 nodes (and, with 4 processes, 4 nodes of
+ * one rank), equal the global oracle (BF16 and FP8, int32 and int64 ids, caller and
+ * in-place combine inputs, repeated calls, ring chunks of 1 and 3 tokens, caller handles
+ * combined twice); the expert-major layout and probabilities through combine across nodes
+ * are refused with HEP_ERR_UNAVAILABLE; nothing stays in /dev/shm once creation returned
+ * and nothing stays mapped or open after destroy. With the argument "missing" the last
+ * rank never dispatches: every other rank's dispatch fails with HEP_ERR_TIMEOUT naming it,
+ * and destroy leaves nothing behind. */
 #include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -70,8 +76,10 @@ static int shm_mappings(void)
     return n;
 }
 
-/* Run this rank's share of case c (inputs identical on every process) `repeat` times. */
-static void run_mine(ep_case *c, const hep_bootstrap *bs)
+/* Run this rank's share of case c (inputs identical on every process) `repeat` times;
+ * with_handle: dispatch into a caller handle and combine with it twice (the second
+ * combine's output is checked). */
+static void run_mine(ep_case *c, const hep_bootstrap *bs, int with_handle)
 {
     ep_rank_in *in = &c->in[rank];
     ep_rank_out *o = &c->out[rank];
@@ -85,13 +93,22 @@ static void run_mine(ep_case *c, const hep_bootstrap *bs)
         return;
     }
     CHECK(shm_names_of_this_process() == 0, "a segment is still named in /dev/shm");
+    hep_handle *hd = NULL;
+    if (with_handle)
+        CHECK(hep_handle_create(g, &hd) == 0, "handle: %s", hep_last_error());
     for (int rep = 0; rep < c->repeat; rep++) {
         hep_dispatch_args da = {.num_tokens = in->t, .tokens = in->tokens, .scales = in->scales,
                                 .topk_idx = in->idx, .topk = c->K, .topk_weights = in->weights,
                                 .index_type = c->index64 ? HEP_INDEX_INT64 : HEP_INDEX_INT32};
         hep_dispatch_result dr;
         hep_combine_args ca;
-        o->rc_dispatch = hep_dispatch(g, &da, &dr);
+        hep_dispatch_opts x;
+        hep_combine_opts co;
+        memset(&x, 0, sizeof(x));
+        memset(&co, 0, sizeof(co));
+        x.handle = hd;
+        co.handle = hd;
+        o->rc_dispatch = hd ? hep_dispatch_ex(g, &da, &x, &dr) : hep_dispatch(g, &da, &dr);
         CHECK(o->rc_dispatch == 0, "dispatch: %s", hep_last_error());
         if (o->rc_dispatch)
             break;
@@ -122,12 +139,27 @@ static void run_mine(ep_case *c, const hep_bootstrap *bs)
             memcpy(hep_combine_input(g), o->expert_out, (size_t)H * 2 * (size_t)dr.num_recv);
             ca.expert_out = hep_combine_input(g);
         }
-        o->rc_combine = hep_combine(g, &ca);
+        o->rc_combine = hd ? hep_combine_ex(g, &ca, &co) : hep_combine(g, &ca);
         CHECK(o->rc_combine == 0, "combine: %s", hep_last_error());
+        if (hd && o->rc_combine == 0) { /* once more with the same handle: the same sums */
+            memset(o->combined, 0xff, (size_t)H * 2 * (size_t)in->t);
+            o->rc_combine = hep_combine_ex(g, &ca, &co);
+            CHECK(o->rc_combine == 0, "second combine: %s", hep_last_error());
+        }
         if (o->rc_combine)
             break;
     }
+    if (c->cfg.ranks_per_node < size) { /* the inter-node path really ran, over the NIC */
+        hep_group_stats st;
+        memset(&st, 0, sizeof(st));
+        CHECK(hep_group_get_stats(g, &st) == 0, "stats: %s", hep_last_error());
+        CHECK(strcmp(st.transport, "loopback") == 0, "transport '%s'", st.transport);
+        CHECK(st.net_data_writes > 0 && st.net_flags_done > 0, "%llu data writes, %llu flags",
+              (unsigned long long)st.net_data_writes, (unsigned long long)st.net_flags_done);
+    }
+    hep_handle_destroy(hd);
     CHECK(hep_group_destroy(g) == 0, "destroy: %s", hep_last_error());
+    CHECK(shm_names_of_this_process() == 0 && shm_mappings() == 0, "segments left after destroy");
 }
 
 /* Rank 0 receives every rank's outputs into c->out[] (sizes from the oracle's inputs). */
@@ -173,21 +205,27 @@ static void gather_outputs(ep_case *c)
     }
 }
 
+/* R ranks per node (size: one node), ring chunks of `chunk` tokens (0: the default). */
 static void oracle_case(const char *name, int fp8, int index64, int zero_copy, unsigned seed,
-                        const hep_bootstrap *bs)
+                        int R, int chunk, int with_handle, const hep_bootstrap *bs)
 {
     static ep_case c;
+    char label[256];
     int bad = 0;
     memset(&c, 0, sizeof(c));
-    config(&c.cfg, fp8, size);
+    config(&c.cfg, fp8, R);
+    if (chunk)
+        c.cfg.chunk_tokens = chunk;
+    snprintf(label, sizeof(label), "%d x %d across processes, %s", size / R, R, name);
+    name = label;
     c.world = size;
     c.K = 3;
     c.index64 = index64;
     c.zero_copy = zero_copy;
     c.repeat = 3;
     c.skip_rank = -1;
-    ep_case_random(&c, seed, 0);
-    run_mine(&c, bs);
+    ep_case_random(&c, seed, R < size ? EP_ROUTE_NODES : 0);
+    run_mine(&c, bs, with_handle);
     gather_outputs(&c);
     if (rank == 0) {
         bad = ep_case_check(&c);
@@ -197,20 +235,110 @@ static void oracle_case(const char *name, int fp8, int index64, int zero_copy, u
     ep_case_free(&c);
 }
 
-static void refuses_nodes_across_processes(const hep_bootstrap *bs)
+/* What the host backend lacks across nodes with a node's ranks in several processes. */
+static void refuses_what_it_lacks_across_nodes(const hep_bootstrap *bs)
 {
     hep_config c;
     hep_group *g = NULL;
+    hep_handle *h = NULL;
+    ep_case ec;
     int rc;
-    config(&c, 0, 2);
+    config(&c, 0, size / 2);
     rc = hep_group_create(&c, bs, 0, &g);
-    CHECK(rc == HEP_ERR_UNAVAILABLE, "status %d: %s", rc, hep_last_error());
-    CHECK(strstr(hep_last_error(), "loopback NIC joins ranks of one process only") != NULL, "%s",
-          hep_last_error());
-    CHECK(g == NULL, "a group was returned");
-    CHECK(shm_names_of_this_process() == 0 && shm_mappings() == 0, "segments left after a failure");
-    if (rank == 0)
-        printf("ok: two nodes across processes without a NIC are refused: %s\n", hep_last_error());
+    CHECK(rc == 0, "create: %s", hep_last_error());
+    if (rc)
+        return;
+    CHECK(hep_handle_create(g, &h) == 0, "handle: %s", hep_last_error());
+    memset(&ec, 0, sizeof(ec));
+    ec.cfg = c;
+    ec.world = size;
+    ec.K = 2;
+    ep_case_random(&ec, 5, 0);
+    {
+        ep_rank_in *in = &ec.in[rank];
+        const int H = c.hidden, El = c.experts_per_rank;
+        uint16_t *rt = calloc((size_t)64 * H, 2), *out = calloc((size_t)c.max_tokens * H + 8, 2);
+        float *rp = calloc(64, sizeof(float));
+        float *pin = calloc((size_t)c.max_tokens * (size_t)size * (size_t)El + 8, 4);
+        float *pout = calloc((size_t)c.max_tokens * El * size + 8, 4);
+        hep_dispatch_args da = {.num_tokens = in->t, .tokens = in->tokens, .topk_idx = in->idx,
+                                .topk = ec.K, .topk_weights = in->weights,
+                                .index_type = HEP_INDEX_INT32};
+        hep_dispatch_opts x;
+        hep_dispatch_result dr;
+        hep_combine_args ca;
+        hep_combine_opts co;
+        memset(&x, 0, sizeof(x));
+        x.handle = h;
+        x.layout = HEP_LAYOUT_EXPERT_MAJOR;
+        x.num_permuted_tokens = 64;
+        x.recv_tokens = rt;
+        x.recv_probs = rp;
+        rc = hep_dispatch_ex(g, &da, &x, &dr);
+        CHECK(rc == HEP_ERR_UNAVAILABLE, "expert-major across nodes: status %d: %s", rc,
+              hep_last_error());
+        CHECK(strstr(hep_last_error(), "expert-major") != NULL, "%s", hep_last_error());
+        /* rank-major into the handle works; probabilities back through combine do not */
+        memset(&x, 0, sizeof(x));
+        x.handle = h;
+        rc = hep_dispatch_ex(g, &da, &x, &dr);
+        CHECK(rc == 0, "dispatch: %s", hep_last_error());
+        memset(&ca, 0, sizeof(ca));
+        ca.out = out;
+        ca.expert_out = dr.tokens;
+        memset(&co, 0, sizeof(co));
+        co.handle = h;
+        co.probs_in = pin;
+        co.probs_out = pout;
+        rc = hep_combine_ex(g, &ca, &co);
+        CHECK(rc == HEP_ERR_UNAVAILABLE, "probabilities across nodes: status %d: %s", rc,
+              hep_last_error());
+        CHECK(strstr(hep_last_error(), "probabilities") != NULL, "%s", hep_last_error());
+        if (rank == 0)
+            printf("ok: across nodes and processes refused: %s\n", hep_last_error());
+        free(rt), free(out), free(rp), free(pin), free(pout);
+    }
+    ep_case_free(&ec);
+    hep_handle_destroy(h);
+    CHECK(hep_group_destroy(g) == 0, "destroy: %s", hep_last_error());
+}
+
+/* The last rank creates the group but never dispatches: the others time out naming it. */
+static void a_rank_that_never_arrives_is_named(const hep_bootstrap *bs)
+{
+    hep_config c;
+    hep_group *g = NULL;
+    ep_case ec;
+    char want[64];
+    int rc, missing = size - 1;
+    config(&c, 0, size / 2);
+    c.chunk_tokens = 3;
+    rc = hep_group_create(&c, bs, 0, &g);
+    CHECK(rc == 0, "create: %s", hep_last_error());
+    if (rc)
+        return;
+    memset(&ec, 0, sizeof(ec));
+    ec.cfg = c;
+    ec.world = size;
+    ec.K = 3;
+    ep_case_random(&ec, 13, EP_ROUTE_NODES);
+    snprintf(want, sizeof(want), "rank %d did not arrive", missing);
+    if (rank != missing) {
+        ep_rank_in *in = &ec.in[rank];
+        hep_dispatch_args da = {.num_tokens = in->t, .tokens = in->tokens, .topk_idx = in->idx,
+                                .topk = ec.K, .topk_weights = in->weights,
+                                .index_type = HEP_INDEX_INT32};
+        hep_dispatch_result dr;
+        rc = hep_dispatch(g, &da, &dr);
+        CHECK(rc == HEP_ERR_TIMEOUT, "status %d: %s", rc, hep_last_error());
+        CHECK(strstr(hep_last_error(), want) != NULL, "the message does not name rank %d: %s",
+              missing, hep_last_error());
+        printf("rank %d: ok: %s\n", rank, hep_last_error());
+    }
+    ep_case_free(&ec);
+    rc = hep_group_destroy(g);
+    CHECK(rc == 0, "destroy: %s", hep_last_error());
+    CHECK(shm_names_of_this_process() == 0 && shm_mappings() == 0, "segments left after destroy");
 }
 
 static void create_destroy_leaves_nothing(const hep_bootstrap *bs)
@@ -225,11 +353,20 @@ static void create_destroy_leaves_nothing(const hep_bootstrap *bs)
         CHECK(shm_mappings() == size, "%d segments mapped, expected %d", shm_mappings(), size);
         CHECK(hep_group_destroy(g) == 0, "destroy: %s", hep_last_error());
     }
+    config(&c, 0, size / 2);
+    for (int i = 0; i < 5; i++) { /* 2 nodes: node-mates' and the peer's segments */
+        hep_group *g = NULL;
+        int rc = hep_group_create(&c, bs, 0, &g);
+        CHECK(rc == 0, "create %d: %s", i, hep_last_error());
+        CHECK(shm_mappings() == size / 2 + 1, "%d segments mapped, expected %d", shm_mappings(),
+              size / 2 + 1);
+        CHECK(hep_group_destroy(g) == 0, "destroy: %s", hep_last_error());
+    }
     CHECK(shm_mappings() == 0, "%d segments still mapped after destroy", shm_mappings());
     CHECK(shm_names_of_this_process() == 0, "segments left in /dev/shm");
     CHECK(count_fds() == fds0, "%d fds before, %d after", fds0, count_fds());
     if (rank == 0)
-        printf("ok: create/destroy x5 leaves no segment, mapping or fd\n");
+        printf("ok: create/destroy x5 (1 and 2 nodes) leaves no segment, mapping or fd\n");
 }
 
 int main(int argc, char **argv)
@@ -245,12 +382,20 @@ int main(int argc, char **argv)
     }
     rc = hep_bootstrap_mpi_create(MPI_COMM_WORLD, &bs);
     CHECK(rc == 0, "%s", hep_last_error());
-    oracle_case("one node across processes, BF16, int32 ids, caller's combine input", 0, 0, 0, 7,
-                &bs);
-    oracle_case("one node across processes, FP8, int64 ids, in-place combine input", 1, 1, 1, 11,
-                &bs);
-    refuses_nodes_across_processes(&bs);
-    create_destroy_leaves_nothing(&bs);
+    if (argc > 1 && strcmp(argv[1], "missing") == 0) {
+        a_rank_that_never_arrives_is_named(&bs);
+    } else {
+        oracle_case("BF16, int32 ids, caller's combine input", 0, 0, 0, 7, size, 0, 0, &bs);
+        oracle_case("FP8, int64 ids, in-place combine input", 1, 1, 1, 11, size, 0, 0, &bs);
+        oracle_case("BF16, int32 ids, chunks of 1 token", 0, 0, 0, 17, size / 2, 1, 0, &bs);
+        oracle_case("FP8, int64 ids, in-place, chunks of 3", 1, 1, 1, 19, size / 2, 3, 0, &bs);
+        oracle_case("BF16, int64 ids, caller handle combined twice, chunks of 3", 0, 1, 0, 23,
+                    size / 2, 3, 1, &bs);
+        if (size == 4)
+            oracle_case("FP8, int32 ids, chunks of 1", 1, 0, 0, 29, 1, 1, 0, &bs);
+        refuses_what_it_lacks_across_nodes(&bs);
+        create_destroy_leaves_nothing(&bs);
+    }
     hep_bootstrap_mpi_destroy(&bs);
     MPI_Allreduce(&failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     if (rank == 0)

@@ -52,7 +52,9 @@ typedef struct hep_config {
                              per 128 channels. Combine is always BF16 with f32 accumulation. */
     int ranks_per_node;   /* R: ranks of one NVLink domain. 0 (default) = the ranks of the
                              bootstrap that share a host. Must divide W. Virtual nodes: set
-                             R < W on one host and the loopback NIC carries the N > 1 path.
+                             R < W on one host and the loopback NIC carries the N > 1 path
+                             (ranks of one process; the host backend also across the
+                             processes of one host, through POSIX shared memory).
                              At most HEP_MAX_RANKS_PER_NODE_GPU / _HOST, with at most
                              HEP_MAX_NODES_GPU / _HOST nodes (below). */
     int dispatch_sms;     /* SMs (thread blocks) of one rank's dispatch kernel, 1..132.
@@ -120,7 +122,10 @@ typedef struct hep_group hep_group;
 
 /* Collective over `bs`: every rank calls it with the same configuration. `cuda_device`
  * is the GPU this rank drives (ignored by the host backend). On failure every rank
- * returns an error with the failing rank's message; nothing stays allocated. */
+ * returns an error with the failing rank's message; nothing stays allocated.
+ * HEP_ERR_UNAVAILABLE for several nodes that no NIC can join: the GPU backend's nodes
+ * across processes, or nodes on different hosts, without a verbs NIC (the loopback NIC
+ * joins the ranks of one process, and the host backend's ranks of one host). */
 int hep_group_create(const hep_config *cfg, const hep_bootstrap *bs, int cuda_device,
                      hep_group **out);
 /* Collective. Releases everything in reverse order of creation. NULL is accepted. Its

@@ -190,7 +190,7 @@ static int cuda_fail(cudaError_t e, const char *what, size_t bytes)
                     cudaGetErrorString(e));
 }
 
-static int all_on_one_host(const rank_card *cards, int world);
+static int all_in_one_process(const rank_card *cards, int world);
 
 static int alloc_arenas(hep_group *g)
 {
@@ -360,12 +360,36 @@ static int transport_is_loopback(const hep_group_hooks *h)
     return 0; /* auto: a real NIC; virtual nodes on one host need HEP_NIC=loopback */
 }
 
-static int all_on_one_host(const rank_card *cards, int world)
+static int all_in_one_process(const rank_card *cards, int world)
 {
     for (int r = 1; r < world; r++)
         if (strcmp(cards[r].host, cards[0].host) || cards[r].pid != cards[0].pid)
             return 0;
     return 1;
+}
+
+static int all_on_one_host(const rank_card *cards, int world)
+{
+    for (int r = 1; r < world; r++)
+        if (strcmp(cards[r].host, cards[0].host))
+            return 0;
+    return 1;
+}
+
+/* 1 when the nodes of this group talk through the loopback NIC across the processes of
+ * one host: the host backend (host memory in shared segments), N > 1, every rank on this
+ * host but not all in one process, and the loopback NIC chosen (HEP_NIC=loopback, the test
+ * hook, or HEP_NIC=auto on a host without an RDMA device). */
+static int loopback_across_processes(const hep_group *g, const rank_card *cards,
+                                     const hep_group_hooks *hooks)
+{
+    if (g->N < 2 || g->cfg.backend != HEP_BACKEND_HOST || all_in_one_process(cards, g->world) ||
+        !all_on_one_host(cards, g->world))
+        return 0;
+    if (transport_is_loopback(hooks))
+        return 1;
+    return (!hooks || !hooks->transport) && strcmp(hep_env_get()->nic, "auto") == 0 &&
+           hep_verbs_device_count() == 0;
 }
 
 /* The loopback NIC copies device memory with cudaMemcpyAsync, which runs on the SMs that
@@ -394,24 +418,43 @@ static void warn_loopback_sms(const hep_group *g, const rank_card *cards)
 static int setup_internode(hep_group *g, const rank_card *cards, const hep_group_hooks *hooks,
                            int *dmabuf)
 {
-    hep_coord_options o = {0, NULL, 0};
+    hep_coord_options o = {0, NULL, 0, NULL};
+    hep_loopback_window *win = NULL;
     int rc;
     o.host_memory = g->cfg.backend == HEP_BACKEND_HOST;
     o.loopback = transport_is_loopback(hooks);
     if (!hooks || !hooks->transport)
-        if (strcmp(hep_env_get()->nic, "auto") == 0 && all_on_one_host(cards, g->world) &&
+        if (strcmp(hep_env_get()->nic, "auto") == 0 && all_in_one_process(cards, g->world) &&
             hep_verbs_device_count() == 0)
             o.loopback = 1; /* virtual nodes in one process, no NIC: the loopback NIC */
     o.mr_override = hooks ? hooks->mr_override : NULL;
-    if (!all_on_one_host(cards, g->world) && (o.loopback || hep_verbs_device_count() == 0))
+    if (g->nic_xproc) { /* host memory in shared segments, mapped by the peers */
+        win = calloc((size_t)g->world, sizeof(*win));
+        if (!win)
+            return hep_fail(HEP_ERR_NOMEM, "group: out of memory");
+        hep_shm_nic_windows(g, win);
+        o.loopback = 1;
+        o.windows = win;
+    } else if (!all_in_one_process(cards, g->world) &&
+               (o.loopback || hep_verbs_device_count() == 0)) {
+        if (g->cfg.backend == HEP_BACKEND_GPU)
+            return hep_fail(HEP_ERR_UNAVAILABLE,
+                            "%d nodes of the GPU backend across processes need a verbs NIC: "
+                            "with GPU buffers (device memory) the loopback NIC joins ranks of one "
+                            "process only; across the processes of one host it serves the host "
+                            "backend only%s (run virtual nodes in one process, or one node per "
+                            "host with an RDMA device)",
+                            g->N, o.loopback ? "" : ", and this host has no RDMA device");
         return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "%d nodes across processes need a verbs NIC: the loopback NIC joins "
-                        "ranks of one process only%s (run virtual nodes in one process, or one "
-                        "node per host with an RDMA device)",
+                        "%d nodes across hosts need a verbs NIC: the loopback NIC joins the "
+                        "ranks of one host only%s (run the nodes on one host, or one node per "
+                        "host with an RDMA device)",
                         g->N, o.loopback ? "" : ", and this host has no RDMA device");
+    }
     if (o.loopback && g->cfg.backend == HEP_BACKEND_GPU && g->rank == 0)
         warn_loopback_sms(g, cards);
     rc = hep_coord_create(&g->plan, g->arena[HEP_ARENA_LOCAL], &g->bs, g->device, &o, &g->coord);
+    free(win); /* the NIC keeps a copy */
     if (rc == HEP_OK)
         *dmabuf = g->coord->dmabuf;
     return rc;
@@ -499,8 +542,10 @@ int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda
             g->mates_one_gpu = mates_share_gpu(g, cards);
         if (rc == HEP_OK)
             g->mates_one_process = mates_in_process(g, cards);
+        if (rc == HEP_OK)
+            g->nic_xproc = loopback_across_processes(g, cards, hooks);
         /* 2. this rank's memory (host backend across processes: in shared memory) */
-        if (rc == HEP_OK && g->cfg.backend == HEP_BACKEND_HOST && !all_on_one_host(cards, g->world))
+        if (rc == HEP_OK && g->cfg.backend == HEP_BACKEND_HOST && !all_in_one_process(cards, g->world))
             rc = hep_shm_create(g);
         if (rc == HEP_OK)
             rc = alloc_arenas(g);

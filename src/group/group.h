@@ -25,6 +25,8 @@ struct hep_group {
     int rank, world, R, N, node, local;
     int mates_one_gpu;              /* every node-mate drives this rank's GPU */
     int mates_one_process;          /* every node-mate is a thread of this process */
+    int nic_xproc;                  /* N > 1, host backend: the loopback NIC across the
+                                       processes of this host (group/shm.h maps the peers) */
     hep_plan plan;
     char *arena[HEP_ARENA_COUNT];   /* this rank's arenas (device or host addresses) */
     char *mapped_dev;               /* device address of the mapped arena */

@@ -30,6 +30,7 @@ typedef struct shm_card { /* what a rank tells its node-mates */
     char name[48];
     char host[64];
     uint64_t key, len;
+    uint64_t local; /* its local arena's address in its own process (the NIC's window) */
 } shm_card;
 
 struct hep_shm {
@@ -40,6 +41,10 @@ struct hep_shm {
     size_t off_local, off_stage, off_comb;       /* the shared arena starts at SHM_PAGE */
     size_t st_scales, st_idx, st_weights;        /* staging offsets (tokens at 0) */
     char *mate[HEP_MAX_LOCAL];                   /* node-mates' segments, mapped here */
+    char **peer;                                 /* g->nic_xproc: [N] each other node's rank
+                                                    of this local rank, mapped here */
+    uint64_t *local_at;                          /* [world] each rank's local arena in its
+                                                    own process (after hep_shm_map_mates) */
 };
 
 static size_t page_up(size_t n)
@@ -213,9 +218,15 @@ int hep_shm_map_mates(hep_group *g)
         snprintf(mine.host, sizeof(mine.host), "unknown");
     mine.key = ((const seg_header *)s->base)->key;
     mine.len = s->len;
+    mine.local = (uint64_t)(uintptr_t)(s->base + s->off_local);
     all = calloc((size_t)g->world, sizeof(*all));
-    if (!all)
+    s->local_at = calloc((size_t)g->world, sizeof(*s->local_at));
+    if (g->nic_xproc && !s->peer)
+        s->peer = calloc((size_t)g->N, sizeof(*s->peer));
+    if (!all || !s->local_at || (g->nic_xproc && !s->peer)) {
+        free(all);
         return hep_fail(HEP_ERR_NOMEM, "host shared memory: out of memory");
+    }
     rc = g->bs.allgather(g->bs.ctx, &mine, all, sizeof(mine));
     gathered = rc == HEP_OK;
     for (int l = 0; rc == HEP_OK && l < g->R; l++) {
@@ -231,6 +242,22 @@ int hep_shm_map_mates(hep_group *g)
             rc = open_mate(g, r, &all[r], &s->mate[l]);
         g->peer_shared[l] = s->mate[l] ? s->mate[l] + SHM_PAGE : NULL;
     }
+    /* the loopback NIC across processes: the rank of each other node that this rank's
+     * proxy writes to (the same local rank), mapped as node-mates are */
+    for (int m = 0; rc == HEP_OK && g->nic_xproc && m < g->N; m++) {
+        int r = m * g->R + g->local;
+        if (m == g->node)
+            continue;
+        if (strcmp(all[r].host, mine.host) != 0)
+            rc = hep_fail(HEP_ERR_INVALID,
+                          "the loopback NIC across processes needs every rank on one host: rank "
+                          "%d is on '%.63s', rank %d on '%.63s'",
+                          g->rank, mine.host, r, all[r].host);
+        else
+            rc = open_mate(g, r, &all[r], &s->peer[m]);
+    }
+    for (int r = 0; gathered && r < g->world; r++)
+        s->local_at[r] = all[r].local;
     g->peer_shared[g->local] = g->arena[HEP_ARENA_SHARED];
     free(all);
     /* once every rank is past its mapping, the name is not needed: nothing stays in
@@ -254,6 +281,11 @@ void hep_shm_destroy(hep_group *g)
             if (l < g->R && l != g->local)
                 g->peer_shared[l] = NULL;
         }
+    for (int m = 0; s->peer && m < g->N; m++)
+        if (s->peer[m])
+            munmap(s->peer[m], s->len);
+    free(s->peer);
+    free(s->local_at);
     if (s->linked)
         shm_unlink(s->name);
     /* a late node-mate keeps its own mapping: unmapping here cannot make it fault */
@@ -285,4 +317,19 @@ void hep_shm_fill_view(const hep_group *g, hep_backend_ctx *b)
     b->shm_st_scales = s->st_scales;
     b->shm_st_idx = s->st_idx;
     b->shm_st_weights = s->st_weights;
+}
+
+void hep_shm_nic_windows(const hep_group *g, hep_loopback_window *win)
+{
+    const struct hep_shm *s = g->shm;
+    for (int r = 0; r < g->world; r++) {
+        const int n = r / g->R, l = r % g->R;
+        char *seg = r == g->rank     ? s->base
+                    : n == g->node   ? s->mate[l]
+                    : l == g->local && s->peer ? s->peer[n]
+                                     : NULL;
+        win[r].base = s->local_at ? s->local_at[r] : 0;
+        win[r].len = g->plan.arena_bytes[HEP_ARENA_LOCAL];
+        win[r].here = seg ? seg + s->off_local : NULL;
+    }
 }

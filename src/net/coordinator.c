@@ -39,8 +39,10 @@ int hep_coord_create(const hep_plan *p, char *local_arena, const hep_bootstrap *
     if (!c)
         return hep_fail(HEP_ERR_NOMEM, "RDMA coordinator: out of memory");
     c->world = bs->size;
-    rc = o->loopback ? hep_loopback_create(bs->rank, bs->size, &c->net)
-                     : hep_verbs_create(bs->rank, bs->size, cuda_device, &c->net);
+    rc = o->loopback && o->windows
+             ? hep_loopback_create_shared(bs->rank, bs->size, o->windows, &c->net)
+         : o->loopback ? hep_loopback_create(bs->rank, bs->size, &c->net)
+                       : hep_verbs_create(bs->rank, bs->size, cuda_device, &c->net);
     if (rc) {
         free(c);
         return rc;

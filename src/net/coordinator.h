@@ -27,6 +27,8 @@ typedef struct hep_coord_options {
     int host_memory;                 /* 1: the buffers are host memory (the host backend):
                                         HEP_GPU_MR_MODE=dmabuf, about GPU memory, acts as
                                         auto (ibv_reg_mr first) */
+    const hep_loopback_window *windows; /* non-NULL ([world]): the loopback NIC across the
+                                           processes of one host (hep_loopback_create_shared) */
 } hep_coord_options;
 
 /* Open the NIC, register every RDMA buffer of the plan that lies in `local_arena`. Not

@@ -1,5 +1,8 @@
 /* net/loopback.c: the loopback NIC. Keys and bounds are checked as a NIC checks them;
- * addresses are translated through the registered iova. */
+ * addresses are translated through the registered iova. In one process every NIC's
+ * registrations are in one table (the fabric); across the processes of one host
+ * (hep_loopback_create_shared) each NIC also holds a copy of every peer's registrations,
+ * taken at connect, and reaches the peer's memory where its window is mapped here. */
 #include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -13,6 +16,7 @@
 #include "net/net.h"
 
 #define LB_MAX_MRS 65536
+#define LB_XP_MRS 64 /* across processes: registrations a NIC may hold at connect */
 
 typedef struct lb_mr {
     struct ibv_mr mr;   /* first: the helper sees a plain ibv_mr */
@@ -23,8 +27,24 @@ typedef struct lb_mr {
     int cuda_dev;        /* device memory: the GPU it is on */
 } lb_mr;
 
+/* Across processes: one registration of a peer, as it sent it at connect. */
+typedef struct lb_remote {
+    uint64_t iova, length;
+    uint64_t off; /* of its first byte from the start of the peer's window */
+    uint32_t rkey, access;
+} lb_remote;
+
+/* What a NIC sends at connect: its window and its registrations. */
+typedef struct lb_card {
+    uint64_t base, len;
+    uint32_t count, pad;
+    lb_remote mr[LB_XP_MRS];
+} lb_card;
+
 typedef struct lb_nic {
     hep_net net;
+    hep_loopback_window *win; /* across processes: [world]; NULL: one process */
+    lb_card *cards;           /* across processes, after connect: [world] */
     struct ibv_pd pd;   /* identity only; never passed to libibverbs */
     cudaStream_t stream; /* copies of device memory; never waits for the kernels */
     cudaEvent_t last;
@@ -100,11 +120,26 @@ static struct ibv_mr *lb_register(struct ibv_pd *pd, uint64_t iova, uint64_t bas
     return &m->mr;
 }
 
+/* Across processes: 1 when [addr, addr + len) is host memory inside this rank's window. */
+static int in_window(const lb_nic *n, uint64_t addr, size_t len)
+{
+    const hep_loopback_window *w = &n->win[n->net.rank];
+    int dev;
+    if (is_device_memory(addr, &dev))
+        return 0;
+    return addr >= w->base && addr - w->base <= w->len && len <= w->len - (addr - w->base);
+}
+
 static struct ibv_mr *lb_reg_mr(void *ctx, struct ibv_pd *pd, void *addr, size_t len, int access)
 {
     (void)ctx;
     if (!pd || !addr || !len) {
         errno = EINVAL;
+        return NULL;
+    }
+    /* across processes a peer reaches only the shared window: elsewhere is a bad address */
+    if (nic_of_pd(pd)->win && !in_window(nic_of_pd(pd), (uint64_t)(uintptr_t)addr, len)) {
+        errno = EFAULT;
         return NULL;
     }
     return lb_register(pd, (uint64_t)(uintptr_t)addr, (uint64_t)(uintptr_t)addr, len, access);
@@ -117,6 +152,10 @@ static struct ibv_mr *lb_reg_dmabuf_mr(void *ctx, struct ibv_pd *pd, uint64_t of
     (void)ctx;
     if (!pd || fd < 0 || !len) {
         errno = EINVAL;
+        return NULL;
+    }
+    if (nic_of_pd(pd)->win) { /* device memory: no window of another process reaches it */
+        errno = EOPNOTSUPP;
         return NULL;
     }
     /* In one address space the exported range starts at its iova (the helper passes the
@@ -218,12 +257,42 @@ static int lb_copy(lb_nic *n, void *dst, const void *src, size_t len, int device
     return HEP_OK;
 }
 
+/* Across processes: where raddr of peer's registration rkey is mapped here, after the
+ * checks a NIC makes (the same refusals as in one process). */
+static int remote_target(lb_nic *n, int peer, uint32_t rkey, uint64_t raddr, size_t len, void **d)
+{
+    const lb_card *c;
+    const lb_remote *m = NULL;
+    if (!n->cards)
+        return hep_fail(HEP_ERR_INVALID, "loopback NIC: a write before connect");
+    c = &n->cards[peer];
+    for (uint32_t i = 0; i < c->count && !m; i++)
+        if (c->mr[i].rkey == rkey)
+            m = &c->mr[i];
+    if (!m)
+        return refuse("loopback NIC: remote key 0x%x (address 0x%llx, %zu bytes) %s", rkey, raddr,
+                      len, "is not registered at that peer (remote access error)");
+    if (!(m->access & IBV_ACCESS_REMOTE_WRITE))
+        return refuse("loopback NIC: remote key 0x%x (address 0x%llx, %zu bytes) %s", rkey, raddr,
+                      len, "lacks IBV_ACCESS_REMOTE_WRITE");
+    if (!(raddr >= m->iova && raddr - m->iova <= m->length &&
+          len <= m->length - (raddr - m->iova)))
+        return refuse("loopback NIC: remote key 0x%x: range 0x%llx+%zu %s", rkey, raddr, len,
+                      "is outside its registration (remote access error)");
+    if (!n->win[peer].here)
+        return refuse("loopback NIC: remote key 0x%x (address 0x%llx, %zu bytes) %s", rkey, raddr,
+                      len, "is in a peer process whose memory is not mapped here");
+    /* connect checked that the registration lies in the window: off + length <= len */
+    *d = n->win[peer].here + m->off + (raddr - m->iova);
+    return HEP_OK;
+}
+
 static int lb_write(hep_net *net, int peer, uint32_t lkey, uint64_t laddr, uint32_t rkey,
                     uint64_t raddr, size_t len, uint64_t wr_id)
 {
     lb_nic *n = (lb_nic *)net;
     lb_mr *src = NULL, *dst = NULL;
-    void *d, *s;
+    void *d = NULL, *s;
     int rc;
 
     pthread_mutex_lock(&fabric.lock);
@@ -242,20 +311,29 @@ static int lb_write(hep_net *net, int peer, uint32_t lkey, uint64_t laddr, uint3
     if (!in_range(src, laddr, len))
         return refuse("loopback NIC: local key 0x%x: range 0x%llx+%zu %s", lkey, laddr, len,
                       "is outside its registration");
-    if (!dst || dst->owner->net.rank != peer)
-        return refuse("loopback NIC: remote key 0x%x (address 0x%llx, %zu bytes) %s", rkey, raddr,
-                      len, "is not registered at that peer (remote access error)");
-    if (!(dst->access & IBV_ACCESS_REMOTE_WRITE))
-        return refuse("loopback NIC: remote key 0x%x (address 0x%llx, %zu bytes) %s", rkey, raddr,
-                      len, "lacks IBV_ACCESS_REMOTE_WRITE");
-    if (!in_range(dst, raddr, len))
-        return refuse("loopback NIC: remote key 0x%x: range 0x%llx+%zu %s", rkey, raddr, len,
-                      "is outside its registration (remote access error)");
-    d = (void *)(uintptr_t)(dst->base + (raddr - dst->iova));
-    s = (void *)(uintptr_t)(src->base + (laddr - src->iova));
-    hep_debug_jitter(); /* stress runs: a write (data or flag) posted late ... */
-    rc = lb_copy(n, d, s, len, src->device || dst->device,
-                 src->device ? src->cuda_dev : dst->cuda_dev);
+    if (n->win) { /* across processes: the peer's registration as it sent it */
+        rc = remote_target(n, peer, rkey, raddr, len, &d);
+        if (rc)
+            return rc;
+        s = (void *)(uintptr_t)(src->base + (laddr - src->iova));
+        hep_debug_jitter(); /* stress runs: a write (data or flag) posted late ... */
+        rc = lb_copy(n, d, s, len, 0, 0);
+    } else {
+        if (!dst || dst->owner->net.rank != peer)
+            return refuse("loopback NIC: remote key 0x%x (address 0x%llx, %zu bytes) %s", rkey,
+                          raddr, len, "is not registered at that peer (remote access error)");
+        if (!(dst->access & IBV_ACCESS_REMOTE_WRITE))
+            return refuse("loopback NIC: remote key 0x%x (address 0x%llx, %zu bytes) %s", rkey,
+                          raddr, len, "lacks IBV_ACCESS_REMOTE_WRITE");
+        if (!in_range(dst, raddr, len))
+            return refuse("loopback NIC: remote key 0x%x: range 0x%llx+%zu %s", rkey, raddr,
+                          len, "is outside its registration (remote access error)");
+        d = (void *)(uintptr_t)(dst->base + (raddr - dst->iova));
+        s = (void *)(uintptr_t)(src->base + (laddr - src->iova));
+        hep_debug_jitter(); /* stress runs: a write (data or flag) posted late ... */
+        rc = lb_copy(n, d, s, len, src->device || dst->device,
+                     src->device ? src->cuda_dev : dst->cuda_dev);
+    }
     if (rc)
         return rc;
     hep_debug_jitter(); /* ... and the next one (its flag) later still */
@@ -285,10 +363,96 @@ static int lb_poll(hep_net *net, hep_net_completion *out, int max)
     return k;
 }
 
+/* Across processes: this NIC's card (its window and registrations). */
+static int own_card(lb_nic *n, lb_card *c)
+{
+    const hep_loopback_window *w = &n->win[n->net.rank];
+    int rc = HEP_OK;
+    memset(c, 0, sizeof(*c));
+    c->base = w->base;
+    c->len = w->len;
+    pthread_mutex_lock(&fabric.lock);
+    for (uint32_t k = 0; k < LB_MAX_MRS && rc == HEP_OK; k++) {
+        const lb_mr *m = fabric.mrs[k];
+        if (!m || m->owner != n)
+            continue;
+        if (c->count == LB_XP_MRS) {
+            rc = HEP_ERR_INVALID;
+            break;
+        }
+        c->mr[c->count].iova = m->iova;
+        c->mr[c->count].length = m->length;
+        c->mr[c->count].off = m->base - w->base; /* in the window: lb_reg_mr checked it */
+        c->mr[c->count].rkey = m->mr.rkey;
+        c->mr[c->count].access = (uint32_t)m->access;
+        c->count++;
+    }
+    pthread_mutex_unlock(&fabric.lock);
+    if (rc)
+        return hep_fail(rc, "loopback NIC: rank %d holds more than %d registrations at connect",
+                        n->net.rank, LB_XP_MRS);
+    return HEP_OK;
+}
+
+/* Across processes: every rank's card matches the window this rank was given for it, and
+ * each registration lies inside that window. */
+static int check_cards(const lb_nic *n)
+{
+    for (int r = 0; r < n->net.world; r++) {
+        const lb_card *c = &n->cards[r];
+        const hep_loopback_window *w = &n->win[r];
+        if (c->base != w->base || c->len != w->len || c->count > LB_XP_MRS)
+            return hep_fail(HEP_ERR_MISMATCH,
+                            "loopback NIC: rank %d's window is 0x%llx+%llu, but this rank "
+                            "(%d) was given 0x%llx+%llu for it",
+                            r, (unsigned long long)c->base, (unsigned long long)c->len,
+                            n->net.rank, (unsigned long long)w->base, (unsigned long long)w->len);
+        for (uint32_t i = 0; i < c->count; i++)
+            if (c->mr[i].off > w->len || c->mr[i].length > w->len - c->mr[i].off)
+                return hep_fail(HEP_ERR_MISMATCH,
+                                "loopback NIC: rank %d's registration of %llu bytes lies "
+                                "outside its window",
+                                r, (unsigned long long)c->mr[i].length);
+    }
+    return HEP_OK;
+}
+
 static int lb_connect(hep_net *net, const hep_bootstrap *bs)
 {
-    (void)net;
-    return bs->barrier(bs->ctx); /* nothing to exchange: one address space */
+    lb_nic *n = (lb_nic *)net;
+    lb_card *mine;
+    int rc;
+    if (!n->win)
+        return bs->barrier(bs->ctx); /* nothing to exchange: one address space */
+    if (bs->size != net->world)
+        return hep_fail(HEP_ERR_INVALID, "loopback NIC: a bootstrap of %d ranks, not %d",
+                        bs->size, net->world);
+    mine = malloc(sizeof(*mine));
+    free(n->cards);
+    n->cards = calloc((size_t)net->world, sizeof(*n->cards));
+    if (!mine || !n->cards) {
+        free(mine);
+        return hep_fail(HEP_ERR_NOMEM, "loopback NIC: out of memory");
+    }
+    rc = own_card(n, mine);
+    /* every rank takes part in the allgather, also one whose card failed: no rank waits */
+    if (rc) {
+        char keep[1024];
+        snprintf(keep, sizeof(keep), "%s", hep_last_error());
+        memset(mine, 0, sizeof(*mine));
+        (void)bs->allgather(bs->ctx, mine, n->cards, sizeof(*mine));
+        hep_set_error_text(keep);
+    } else {
+        rc = bs->allgather(bs->ctx, mine, n->cards, sizeof(*mine));
+        if (rc == HEP_OK)
+            rc = check_cards(n);
+    }
+    free(mine);
+    if (rc) {
+        free(n->cards);
+        n->cards = NULL;
+    }
+    return rc;
 }
 
 static void lb_destroy(hep_net *net)
@@ -300,6 +464,8 @@ static void lb_destroy(hep_net *net)
         cudaStreamDestroy(n->stream);
     }
     free(n->done);
+    free(n->cards);
+    free(n->win);
     free(n);
 }
 
@@ -321,6 +487,28 @@ int hep_loopback_create(int rank, int world, hep_net **out)
     n->net.mr_ops.reg_dmabuf_mr = lb_reg_dmabuf_mr;
     n->net.mr_ops.dereg_mr = lb_dereg_mr;
     *out = &n->net;
+    return HEP_OK;
+}
+
+int hep_loopback_create_shared(int rank, int world, const hep_loopback_window *win,
+                               hep_net **out)
+{
+    lb_nic *n;
+    int rc;
+    if (!win || world < 1 || rank < 0 || rank >= world)
+        return hep_fail(HEP_ERR_INVALID, "loopback NIC: no windows, or rank %d not in 0..%d",
+                        rank, world - 1);
+    rc = hep_loopback_create(rank, world, out);
+    if (rc)
+        return rc;
+    n = (lb_nic *)*out;
+    n->win = malloc((size_t)world * sizeof(*n->win));
+    if (!n->win) {
+        lb_destroy(*out);
+        *out = NULL;
+        return hep_fail(HEP_ERR_NOMEM, "loopback NIC: out of memory");
+    }
+    memcpy(n->win, win, (size_t)world * sizeof(*n->win));
     return HEP_OK;
 }
 

@@ -49,6 +49,25 @@ struct hep_net {
  * NIC's own, host memory with memcpy. */
 int hep_loopback_create(int rank, int world, hep_net **out);
 
+/* Across the processes of one host: rank r's window, the memory its registrations lie in
+ * ([base, base + len) in r's own address space, a POSIX shared-memory segment), and where
+ * that memory is mapped in this process (NULL: not here; writes to r are refused). */
+typedef struct hep_loopback_window {
+    uint64_t base, len;
+    char *here;
+} hep_loopback_window;
+
+/* The loopback NIC of a rank whose peers are processes of this host (host memory only).
+ * Registrations must lie in win[rank]; connect (collective) exchanges every rank's
+ * registrations (key, access, original address, length) through the bootstrap, and a write
+ * reaches the peer's memory through win[peer].here after the same key, access and bounds
+ * checks against the peer's registration, data before any later write (the flag). Keys are
+ * exchanged once: registrations must all be made before connect, and a peer's
+ * deregistration is not seen (the coordinator deregisters only after its last call). `win`
+ * ([world]) is copied; the mappings stay the caller's and must outlive the NIC. */
+int hep_loopback_create_shared(int rank, int world, const hep_loopback_window *win,
+                               hep_net **out);
+
 /* A real RDMA device: `device_name` (NULL: the one nearest to cuda_device by PCI path,
  * or HEP_NIC_MAP), its first active port, a PD, one CQ, RC QPs to every other rank. */
 int hep_verbs_create(int rank, int world, int cuda_device, hep_net **out);
