@@ -58,3 +58,28 @@ def combine(expert_out_by_rank, origins_by_rank, rank, t, H):
             if s == rank:
                 acc[i] += out[j].float()
     return acc.to(torch.bfloat16)
+
+
+def combine_nodes(expert_out_by_rank, origins_by_rank, rank, t, H, R):
+    """combine() across nodes of R ranks: the own node's destinations in f32 (ascending
+    rank), then each other node's partial sum (its destinations in f32, ascending) rounded
+    to BF16, in node order; BF16 at the end."""
+    W = len(expert_out_by_rank)
+    own, N = rank // R, W // R
+    acc = torch.zeros((t, H), dtype=torch.float32)
+    part = torch.zeros((N, t, H), dtype=torch.float32)
+    hit = torch.zeros((N, t), dtype=torch.bool)
+    for d, (out, origin) in enumerate(zip(expert_out_by_rank, origins_by_rank)):
+        m = d // R
+        for j, (s, i) in enumerate(origin):
+            if s != rank:
+                continue
+            if m == own:
+                acc[i] += out[j].float()
+            else:
+                part[m, i] += out[j].float()
+                hit[m, i] = True
+    for m in range(N):
+        if m != own:
+            acc[hit[m]] += part[m][hit[m]].to(torch.bfloat16).float()
+    return acc.to(torch.bfloat16)

@@ -51,6 +51,38 @@ def test_dispatch_combine_match_plain_torch_on_four_processes():
     run_ranks(_dispatch_combine_matches_reference, 4, [1, 2, 3, 4])
 
 
+def _nodes_match_reference(rank, world, R, seeds):
+    buf = hybridep.Buffer(None, H, T, EL, backend="host", max_topk=K, ranks_per_node=R)
+    assert buf.transport == "loopback", buf.transport
+    assert buf.num_nodes == world // R and buf.ranks_per_node == R
+    E = EL * world
+    for n, seed in enumerate(seeds):
+        index_dtype = torch.int64 if n % 2 == 0 else torch.int32
+        all_in = [ref.inputs(seed, r, T, H, E, K, index_dtype) for r in range(world)]
+        hidden, idx, w, _ = all_in[rank]
+        tokens, probs, scales, tpe, handle = buf.dispatch(hidden, idx, w)
+        exp_rows, exp_probs, exp_tpe, origin, _ = ref.dispatch(all_in, rank, EL)
+        assert torch.equal(tokens, exp_rows), "round %d: received rows differ" % n
+        assert torch.equal(probs, exp_probs), "round %d: probabilities differ" % n
+        assert torch.equal(tpe, exp_tpe), "round %d: tokens per expert differ" % n
+        out = buf.combine(_expert(rank, tokens), handle)
+        outs, origins = [], []
+        for d in range(world):
+            rows_d, _, _, origin_d, _ = ref.dispatch(all_in, d, EL)
+            outs.append(_expert(d, rows_d))
+            origins.append(origin_d)
+        expected = ref.combine_nodes(outs, origins, rank, hidden.shape[0], H, R)
+        assert torch.equal(out, expected), "round %d: combined tokens differ" % n
+    buf.close()
+    return True
+
+
+def test_two_nodes_of_two_processes_match_plain_torch_over_the_loopback_nic():
+    """2 x 2 virtual nodes, one process per rank: the inter-node path (rings, proxy) over
+    the loopback NIC across processes, no GPU and no RDMA device."""
+    run_ranks(_nodes_match_reference, 4, 2, [5, 6, 7], env={"HEP_NIC": "loopback"})
+
+
 def _fp8_dispatch(rank, world):
     HF = 256
     buf = hybridep.Buffer(None, HF, T, EL, use_fp8=True, backend="host", max_topk=K)
