@@ -377,14 +377,14 @@ typedef struct hep_combine_opts {
  * that buffer no longer holds the handle's rows (another dispatch or a combine ran since);
  * The host backend with the node's ranks in several processes passes expert_out and
  * probs_in to the node-mates through this rank's exchange.token and dispatch.recv_prob
- * (max_recv_rows rows a round): such a combine overwrites the zero-copy tokens and
- * probabilities of the last dispatch.
+ * (max_recv_rows rows a round; across nodes all its rank-major rows at once): such a
+ * combine overwrites the zero-copy tokens and probabilities of the last dispatch.
  * With the GPU kernels every rank of a combine passes probabilities alike (across nodes
  * the other nodes' share comes back with the partial sums).
  * HEP_ERR_UNAVAILABLE: the GPU kernels with probabilities without a caller handle (the
- * one-shot layout records no routing); the host backend's probabilities
- * across nodes with the ranks of a node in several processes (it has them across nodes
- * for the ranks of one process, and for threads or processes of one node). */
+ * one-shot layout records no routing). The host backend has probabilities everywhere
+ * (threads or processes of one node, and across nodes, the ranks of a node in one process
+ * or in several). */
 int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_opts *opts);
 
 /* Where to write expert outputs for a combine without a copy: [max_recv_rows, H] BF16,

@@ -466,7 +466,7 @@ class Buffer:
         a training framework saves for its backward). Raises HybridEPError with the
         library's message where the backend lacks it (HEP_ERR_UNAVAILABLE: the GPU kernels
         across nodes, or across processes without max_permuted_rows; the host backend
-        across nodes with processes)."""
+        across nodes with a node's ranks in several processes)."""
         if not self._g:
             self._alive()
         reuse = handle is not None and topk_idx is None

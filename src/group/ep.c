@@ -348,12 +348,6 @@ int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_op
         (rc = hep_ep_gpu_nodes_check(g->N, h->layout, !g->mates_one_process,
                                      c->probs_in != NULL, "hep_combine_ex")))
         return rc;
-    if (c->probs_in && g->cfg.backend == HEP_BACKEND_HOST && g->N > 1 && g->shm)
-        return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "hep_combine_ex: the host backend carries probabilities through combine "
-                        "across %d nodes with the ranks of each node in one process only (this "
-                        "node's ranks are in several processes)",
-                        g->N);
     if (c->probs_out && h->t > 0 && (rc = check_ptr(c->probs_out, 4, "hep_combine_ex: probs_out")))
         return rc;
     if ((rc = check_combine_buffers(g, a, h->t,

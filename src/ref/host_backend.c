@@ -1164,8 +1164,8 @@ static void add_node_share(hep_backend_ctx *g, const view *v, int i, int src, co
         const int *mbase = (const int *)mate_local(g, l, HEP_BUF_HANDLE_META);
         const hep_handle *mh =
             g->shm ? NULL : (const hep_handle *)(uintptr_t)mailbox_of(g, l)[HEP_MB_HANDLE];
-        const float *pin =
-            g->shm ? NULL : (const float *)(uintptr_t)mailbox_of(g, l)[HEP_MB_PROBS_IN];
+        const float *pin = g->shm ? hep_shm_mate_probs(g, l)
+                                  : (const float *)(uintptr_t)mailbox_of(g, l)[HEP_MB_PROBS_IN];
         const uint16_t *rows, *x;
         if (!needs_rank(g, v, i, d))
             continue;
@@ -1576,8 +1576,17 @@ static int combine_ex(hep_backend_ctx *g, const hep_combine_args *a, const hep_c
         mc.probs = co->probs_in != NULL;
         mc.ebase = h->ebase;
         hep_shm_publish_combine(g, &mc);
-    } else if (g->shm) { /* across processes node-mates read this rank's exchange.token */
+    } else if (g->shm) { /* across processes node-mates read this rank's exchange.token
+                            * and, with probs_in, its dispatch.recv_prob */
+        hep_shm_comb mc;
+        mc.layout = HEP_LAYOUT_RANK_MAJOR; /* expert-major is refused here (group/ep.c) */
+        mc.rows = h->recv;
+        mc.budget = h->budget;
+        mc.probs = co->probs_in != NULL;
+        mc.ebase = NULL;
         hep_shm_stage_combine_input(g, a->expert_out, g->last_recv);
+        hep_shm_stage_combine_probs(g, co->probs_in, g->last_recv);
+        hep_shm_publish_combine(g, &mc);
     }
     __atomic_store_n(flags_of(g, g->local) + HEP_FLAG_COMBINE_READY, e, __ATOMIC_RELEASE);
     /* 0. the arrival words, on their own, before this rank waits for its node-mates: a peer
@@ -1614,8 +1623,9 @@ static int combine_ex(hep_backend_ctx *g, const hep_combine_args *a, const hep_c
         r.out = a->out;
         r.in = a->expert_out ? a->expert_out : hep_be_buf(g, HEP_BUF_TOKEN_X);
         recorded_view(g, &r.mine);
-        for (int l = 0; l < g->R && !g->shm; l++) /* the mailboxes are in since COMBINE_READY */
-            mates_probs |= mailbox_of(g, l)[HEP_MB_PROBS_IN] != 0;
+        for (int l = 0; l < g->R; l++) /* the mailboxes are in since COMBINE_READY */
+            mates_probs |= g->shm ? hep_shm_mate_probs(g, l) != NULL
+                                  : mailbox_of(g, l)[HEP_MB_PROBS_IN] != 0;
         for (int m = 0; m < g->N; m++) {
             rp[m].m = m;
             rp[m].peer = m * g->R + g->local;

@@ -82,3 +82,16 @@ void hep_shm_stage_round(hep_backend_ctx *g, const void *rows, const float *prob
     if (probs && probs + (size_t)lo * (size_t)ppr != pdst)
         memmove(pdst, probs + (size_t)lo * (size_t)ppr, (size_t)n * (size_t)ppr * sizeof(float));
 }
+
+void hep_shm_stage_combine_probs(hep_backend_ctx *g, const float *probs, int rows)
+{
+    float *dst = (float *)hep_be_buf(g, HEP_BUF_RECV_PROB);
+    if (probs && probs != dst && rows > 0) /* memmove: the caller may pass probs inside it */
+        memmove(dst, probs, (size_t)rows * (size_t)g->cfg->experts_per_rank * sizeof(float));
+}
+
+const float *hep_shm_mate_probs(const hep_backend_ctx *g, int l)
+{
+    const uint64_t *w = (const uint64_t *)g->shm_comb[l];
+    return w[HEP_SHM_COMB_PROBS] ? (const float *)hep_be_peer_buf(g, l, HEP_BUF_RECV_PROB) : NULL;
+}

@@ -24,6 +24,14 @@ void hep_shm_mate_inputs(const hep_backend_ctx *g, int l, hep_shm_inputs *in);
  * combine input (exchange.token) unless they are there already. Returns that address. */
 const void *hep_shm_stage_combine_input(hep_backend_ctx *g, const void *src, int rows);
 
+/* Across nodes (rank-major, all rows at once): this rank's probs_in ([rows, E_l], or NULL:
+ * nothing) into its dispatch.recv_prob, where node-mates read it once it published its
+ * combine layout (hep_shm_publish_combine) with probs set. */
+void hep_shm_stage_combine_probs(hep_backend_ctx *g, const float *probs, int rows);
+/* Node-mate l's probs_in as staged there and mapped here, or NULL when its current combine
+ * (published before its HEP_FLAG_COMBINE_READY) gave none. */
+const float *hep_shm_mate_probs(const hep_backend_ctx *g, int l);
+
 /* The combine across the processes of one node, in rounds (ref/host_backend.c): each
  * node-mate's rows (and probabilities) pass through its exchange.token (and
  * dispatch.recv_prob) max_recv_rows rows at a time, as the GPU kernels copy rank-major
