@@ -5,12 +5,14 @@
  * combine of one node of all processes, and of 2 nodes (and, with 4 processes, 4 nodes of
  * one rank), equal the global oracle (BF16 and FP8, int32 and int64 ids, caller and
  * in-place combine inputs, repeated calls, ring chunks of 1 and 3 tokens, caller handles
- * combined twice); the expert-major layout and probabilities through combine across nodes
- * are refused with HEP_ERR_UNAVAILABLE; nothing stays in /dev/shm once creation returned
- * and nothing stays mapped or open after destroy. With the argument "missing" the last
- * rank never dispatches: every other rank's dispatch fails with HEP_ERR_TIMEOUT naming it,
- * and destroy leaves nothing behind. */
+ * combined twice, the second time with probabilities, each probs_out element checked);
+ * the expert-major layout across nodes is refused with HEP_ERR_UNAVAILABLE; nothing stays
+ * in /dev/shm once creation returned and nothing stays mapped or open after destroy, nor
+ * after a creation across nodes that failed on one rank. With the argument "missing" the
+ * last rank never dispatches: every other rank's dispatch fails with HEP_ERR_TIMEOUT
+ * naming it, and destroy leaves nothing behind. */
 #include <dirent.h>
+#include <errno.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -21,6 +23,7 @@
 #include <mpi.h>
 
 #include "ep_case.h"
+#include "group/group.h"
 #include "hybridep/bootstrap_mpi.h"
 #include "hybridep/hybridep.h"
 #include "ranks.h"
@@ -377,6 +380,50 @@ static void a_rank_that_never_arrives_is_named(const hep_bootstrap *bs)
     CHECK(shm_names_of_this_process() == 0 && shm_mappings() == 0, "segments left after destroy");
 }
 
+static struct ibv_mr *no_reg_mr(void *ctx, struct ibv_pd *pd, void *a, size_t l, int acc)
+{
+    (void)ctx, (void)pd, (void)a, (void)l, (void)acc;
+    errno = ENOMEM;
+    return NULL;
+}
+static int no_dmabuf(void *ctx, int dev)
+{
+    (void)ctx, (void)dev;
+    return 0;
+}
+
+/* 2 nodes whose creation fails on the last rank after every segment was mapped and its
+ * loopback NIC made (its registrations fail): every rank fails with that rank's message,
+ * and nothing stays named, mapped or open. */
+static void a_failed_creation_leaves_nothing(const hep_bootstrap *bs)
+{
+    hep_config c;
+    hep_group *g = NULL;
+    hep_gpu_mr_ops ops;
+    hep_group_hooks hk;
+    char want[32];
+    int fds0 = count_fds(), rc;
+    memset(&ops, 0, sizeof(ops));
+    ops.reg_mr = no_reg_mr;
+    ops.dmabuf_supported = no_dmabuf;
+    memset(&hk, 0, sizeof(hk));
+    hk.transport = 1;
+    hk.mr_override = rank == size - 1 ? &ops : NULL;
+    config(&c, 1, size / 2);
+    rc = hep_group_create_ex(&c, bs, 0, &hk, &g);
+    CHECK(rc != 0 && g == NULL, "created (status %d)", rc);
+    snprintf(want, sizeof(want), "rank %d: ", size - 1);
+    if (rank != size - 1)
+        CHECK(strstr(hep_last_error(), want) != NULL, "not the last rank's failure: %s",
+              hep_last_error());
+    CHECK(shm_names_of_this_process() == 0, "segments left in /dev/shm");
+    CHECK(shm_mappings() == 0, "%d segments mapped after the failure", shm_mappings());
+    CHECK(count_fds() == fds0, "%d fds before, %d after", fds0, count_fds());
+    if (rank == 0)
+        printf("ok: a creation of 2 nodes failing on rank %d leaves nothing: %s\n", size - 1,
+               hep_last_error());
+}
+
 static void create_destroy_leaves_nothing(const hep_bootstrap *bs)
 {
     hep_config c;
@@ -432,6 +479,7 @@ int main(int argc, char **argv)
         if (size == 4)
             oracle_case("FP8, int32 ids, chunks of 1", 1, 0, 0, 29, 1, 1, 0, &bs);
         refuses_what_it_lacks_across_nodes(&bs);
+        a_failed_creation_leaves_nothing(&bs);
         create_destroy_leaves_nothing(&bs);
     }
     hep_bootstrap_mpi_destroy(&bs);
