@@ -6,7 +6,9 @@
  * one rank), equal the global oracle (BF16 and FP8, int32 and int64 ids, caller and
  * in-place combine inputs, repeated calls, ring chunks of 1 and 3 tokens, caller handles
  * combined twice, the second time with probabilities, each probs_out element checked);
- * the expert-major layout across nodes is refused with HEP_ERR_UNAVAILABLE; nothing stays
+ * the expert-major layout across nodes (pad 1 and 4, a budget that drops rows, BF16 and
+ * FP8) equals the same calls with every rank a thread of one process, every output bit for
+ * bit, and a budget above max_recv_rows is refused with HEP_ERR_INVALID; nothing stays
  * in /dev/shm once creation returned and nothing stays mapped or open after destroy, nor
  * after a creation across nodes that failed on one rank. With the argument "missing" the
  * last rank never dispatches: every other rank's dispatch fails with HEP_ERR_TIMEOUT
@@ -274,8 +276,174 @@ static void oracle_case(const char *name, int fp8, int index64, int zero_copy, u
     ep_case_free(&c);
 }
 
-/* What the host backend lacks across nodes with a node's ranks in several processes. */
-static void refuses_what_it_lacks_across_nodes(const hep_bootstrap *bs)
+/* ---------------------------------------------------------------- expert-major
+ * Across nodes and processes against the same calls on the same inputs with every rank a
+ * thread of one process (virtual nodes over the in-process loopback NIC, checked against
+ * an oracle by tests/test_train.c): every output, bit for bit. */
+typedef struct em_res {
+    int rc, num_permuted, overflow, overflow_rows;
+    int64_t tpe[16];
+    unsigned char *tok;
+    float *prob, *scale, *pout;
+    uint16_t *combined;
+    char err[1024];
+} em_res;
+
+typedef struct em_case {
+    ep_case c;
+    int pad, budget;
+    em_res ref[EP_MAX_RANKS]; /* the one-process run */
+} em_case;
+
+static void em_free(em_res *o)
+{
+    free(o->tok), free(o->prob), free(o->scale), free(o->pout), free(o->combined);
+    memset(o, 0, sizeof(*o));
+}
+
+/* Rank r's expert-major dispatch into a caller handle, then its combine with
+ * probabilities ((r + 1) x the received ones), into o. */
+static void em_rank(const hep_bootstrap *bs, int r, const em_case *e, em_res *o)
+{
+    const hep_config *cfg = &e->c.cfg;
+    const ep_rank_in *in = &e->c.in[r];
+    const int H = cfg->hidden, El = cfg->experts_per_rank, B = e->budget;
+    const int fp8 = cfg->dtype == HEP_DTYPE_FP8_E4M3, ns = H / 128;
+    const size_t rb = (size_t)H * (fp8 ? 1 : 2), E = (size_t)El * (size_t)bs->size;
+    hep_group_hooks hk;
+    hep_group *g = NULL;
+    hep_handle *h = NULL;
+    hep_dispatch_opts x;
+    hep_dispatch_result dr;
+    hep_combine_args ca;
+    hep_combine_opts co;
+    uint16_t *eo;
+    float *pin;
+    memset(&hk, 0, sizeof(hk));
+    hk.transport = 1;
+    memset(o, 0, sizeof(*o));
+    o->rc = hep_group_create_ex(cfg, bs, 0, &hk, &g);
+    if (o->rc == 0)
+        o->rc = hep_handle_create(g, &h);
+    o->tok = calloc((size_t)B, rb);
+    o->prob = calloc((size_t)B, sizeof(float));
+    o->scale = calloc((size_t)B * (size_t)ns + 1, sizeof(float));
+    o->combined = calloc((size_t)in->t * (size_t)H + 1, 2);
+    o->pout = calloc((size_t)in->t * E + 1, sizeof(float));
+    eo = malloc((size_t)B * (size_t)H * 2);
+    pin = malloc((size_t)B * sizeof(float));
+    if (o->rc == 0) {
+        hep_dispatch_args da = {.num_tokens = in->t, .tokens = in->tokens, .scales = in->scales,
+                                .topk_idx = in->idx, .topk = e->c.K,
+                                .topk_weights = in->weights,
+                                .index_type = e->c.index64 ? HEP_INDEX_INT64 : HEP_INDEX_INT32};
+        memset(&x, 0, sizeof(x));
+        x.handle = h;
+        x.layout = HEP_LAYOUT_EXPERT_MAJOR;
+        x.pad_multiple = e->pad;
+        x.num_permuted_tokens = B;
+        x.recv_tokens = o->tok;
+        x.recv_probs = o->prob;
+        x.recv_scales = fp8 ? o->scale : NULL;
+        o->rc = hep_dispatch_ex(g, &da, &x, &dr);
+    }
+    if (o->rc == 0) {
+        o->num_permuted = x.num_permuted;
+        o->overflow = x.overflow;
+        o->overflow_rows = x.overflow_rows;
+        for (int k = 0; k < El && k < 16; k++)
+            o->tpe[k] = x.tokens_per_expert[k];
+        for (int p = 0; p < B; p++) {
+            pin[p] = o->prob[p] * (float)(r + 1);
+            for (int c = 0; c < H; c++)
+                eo[(size_t)p * H + c] = ep_expert_value(r, p, c);
+        }
+        memset(&ca, 0, sizeof(ca));
+        ca.out = o->combined;
+        ca.expert_out = eo;
+        memset(&co, 0, sizeof(co));
+        co.handle = h;
+        co.probs_in = pin;
+        co.probs_out = o->pout;
+        o->rc = hep_combine_ex(g, &ca, &co);
+    }
+    if (o->rc)
+        snprintf(o->err, sizeof(o->err), "%s", hep_last_error());
+    free(eo), free(pin);
+    hep_handle_destroy(h);
+    if (g && hep_group_destroy(g) && o->rc == 0)
+        o->rc = -1;
+}
+
+static int em_thread(rank_ctx *r)
+{
+    em_case *e = r->arg;
+    em_rank(&r->bs, r->rank, e, &e->ref[r->rank]);
+    return e->ref[r->rank].rc;
+}
+
+static void expert_major_case(const char *name, int fp8, int index64, int pad, int budget,
+                              unsigned seed, const hep_bootstrap *bs)
+{
+    static em_case e;
+    static rank_ctx ctx[EP_MAX_RANKS];
+    em_res mine;
+    const int H = fp8 ? 256 : 136, El = 3, R = size / 2;
+    const size_t rb = (size_t)H * (fp8 ? 1 : 2), E = (size_t)El * (size_t)size;
+    int bad = 0, total = 0;
+    memset(&e, 0, sizeof(e));
+    config(&e.c.cfg, fp8, R);
+    e.c.cfg.chunk_tokens = 3;
+    e.c.world = size;
+    e.c.K = 3;
+    e.c.index64 = index64;
+    e.c.skip_rank = -1;
+    e.pad = pad;
+    e.budget = budget;
+    ep_case_random(&e.c, seed, EP_ROUTE_NODES);
+    em_rank(bs, rank, &e, &mine);
+    CHECK(mine.rc == 0, "%s: %s", name, mine.err);
+    /* the one-process run, one process at a time (2 cores) */
+    for (int k = 0; k < size; k++) {
+        if (k == rank) {
+            CHECK(run_ranks(size, em_thread, &e, ctx) == 0, "threads did not run");
+            CHECK(e.ref[rank].rc == 0, "one process: %s", e.ref[rank].err);
+        }
+        MPI_Barrier(MPI_COMM_WORLD);
+    }
+    if (mine.rc == 0 && e.ref[rank].rc == 0) {
+        const em_res *w = &e.ref[rank];
+        const int t = e.c.in[rank].t, n = w->num_permuted;
+        bad += mine.num_permuted != n || mine.overflow != w->overflow ||
+               mine.overflow_rows != w->overflow_rows;
+        bad += memcmp(mine.tpe, w->tpe, sizeof(w->tpe)) != 0;
+        if (!bad) {
+            bad += memcmp(mine.tok, w->tok, (size_t)n * rb) != 0;
+            bad += memcmp(mine.prob, w->prob, (size_t)n * sizeof(float)) != 0;
+            bad += fp8 && memcmp(mine.scale, w->scale, (size_t)n * (H / 128) * sizeof(float));
+            bad += memcmp(mine.combined, w->combined, (size_t)t * H * 2) != 0;
+            bad += memcmp(mine.pout, w->pout, (size_t)t * E * sizeof(float)) != 0;
+        }
+        CHECK(bad == 0, "%s: %d of the outputs differ from one process's (rows %d vs %d)", name,
+              bad, mine.num_permuted, n);
+        total = w->overflow_rows;
+    }
+    MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    if (rank == 0)
+        printf("%s: 2 x %d across processes, expert-major, %s (pad %d, budget %d, %d rows "
+               "dropped in all): as in one process\n",
+               bad ? "FAILED" : "ok", R, name, pad, budget, total);
+    em_free(&mine);
+    for (int r = 0; r < size; r++)
+        em_free(&e.ref[r]);
+    ep_case_free(&e.c);
+}
+
+/* Across nodes with a node's ranks in several processes: an expert-major budget above
+ * max_recv_rows is refused (HEP_ERR_INVALID); rank-major into a handle, with
+ * probabilities back through combine, works. */
+static void expert_major_budget_above_the_receive_rows_is_refused(const hep_bootstrap *bs)
 {
     hep_config c;
     hep_group *g = NULL;
@@ -308,16 +476,18 @@ static void refuses_what_it_lacks_across_nodes(const hep_bootstrap *bs)
         hep_dispatch_result dr;
         hep_combine_args ca;
         hep_combine_opts co;
+        hep_group_info info;
+        CHECK(hep_group_get_info(g, &info) == 0, "info: %s", hep_last_error());
         memset(&x, 0, sizeof(x));
         x.handle = h;
         x.layout = HEP_LAYOUT_EXPERT_MAJOR;
-        x.num_permuted_tokens = 64;
+        x.num_permuted_tokens = (int)info.max_recv_rows + 1;
         x.recv_tokens = rt;
         x.recv_probs = rp;
         rc = hep_dispatch_ex(g, &da, &x, &dr);
-        CHECK(rc == HEP_ERR_UNAVAILABLE, "expert-major across nodes: status %d: %s", rc,
-              hep_last_error());
-        CHECK(strstr(hep_last_error(), "expert-major") != NULL, "%s", hep_last_error());
+        CHECK(rc == HEP_ERR_INVALID, "expert-major budget above max_recv_rows: status %d: %s",
+              rc, hep_last_error());
+        CHECK(strstr(hep_last_error(), "max_recv_rows") != NULL, "%s", hep_last_error());
         snprintf(why, sizeof(why), "%s", hep_last_error());
         /* rank-major into the handle works, with probabilities back through combine */
         memset(&x, 0, sizeof(x));
@@ -334,7 +504,8 @@ static void refuses_what_it_lacks_across_nodes(const hep_bootstrap *bs)
         rc = hep_combine_ex(g, &ca, &co);
         CHECK(rc == 0, "combine with probabilities: %s", hep_last_error());
         if (rank == 0)
-            printf("ok: across nodes and processes the expert-major layout is refused: %s\n", why);
+            printf("ok: across nodes and processes an expert-major budget above max_recv_rows "
+                   "is refused: %s\n", why);
         free(rt), free(out), free(rp), free(pin), free(pout);
     }
     ep_case_free(&ec);
@@ -478,7 +649,9 @@ int main(int argc, char **argv)
                     0, 0, 31, size, 0, 1, &bs);
         if (size == 4)
             oracle_case("FP8, int32 ids, chunks of 1", 1, 0, 0, 29, 1, 1, 0, &bs);
-        refuses_what_it_lacks_across_nodes(&bs);
+        expert_major_case("BF16, int32 ids", 0, 0, 1, size * 24, 41, &bs);
+        expert_major_case("FP8, int64 ids, a budget that drops rows", 1, 1, 4, 16, 43, &bs);
+        expert_major_budget_above_the_receive_rows_is_refused(&bs);
         a_failed_creation_leaves_nothing(&bs);
         create_destroy_leaves_nothing(&bs);
     }

@@ -351,9 +351,8 @@ typedef struct hep_dispatch_opts {
  * expert-major layout with a caller handle and each node's ranks in one process
  * (HEP_ERR_UNAVAILABLE with the ranks in several processes), and two calls of one kind in
  * a row meet at a bootstrap barrier once the previous one ended on each rank; the host
- * backend has all of them,
- * except the expert-major layout across nodes with the ranks of a node in several
- * processes. */
+ * backend has all of them (across nodes with the ranks of a node in several processes an
+ * expert-major num_permuted_tokens must not exceed max_recv_rows: HEP_ERR_INVALID). */
 int hep_dispatch_ex(hep_group *g, const hep_dispatch_args *a, hep_dispatch_opts *opts,
                     hep_dispatch_result *out);
 

@@ -465,8 +465,9 @@ class Buffer:
         written (handle.num_permuted; no_sync: the budget). Tensors are the caller's (what
         a training framework saves for its backward). Raises HybridEPError with the
         library's message where the backend lacks it (HEP_ERR_UNAVAILABLE: the GPU kernels
-        across nodes, or across processes without max_permuted_rows; the host backend
-        across nodes with a node's ranks in several processes)."""
+        across nodes, or across processes without max_permuted_rows) or refuses the budget
+        (HEP_ERR_INVALID: above max_permuted_rows there; the host backend across nodes with
+        a node's ranks in several processes above max_recv_rows)."""
         if not self._g:
             self._alive()
         reuse = handle is not None and topk_idx is None

@@ -265,11 +265,16 @@ static int check_dispatch_opts(hep_group *g, const hep_dispatch_args *a, const h
                         "%d rows, or create the group with a larger max_permuted_rows",
                         x->num_permuted_tokens, g->cfg.max_permuted_rows,
                         g->cfg.max_permuted_rows / pad * pad);
-    if (g->shm && g->N > 1 && layout == HEP_LAYOUT_EXPERT_MAJOR)
-        return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "hep_dispatch_ex: the host backend has the expert-major layout across "
-                        "processes for one node only, not across %d nodes",
-                        g->N);
+    if (g->shm && g->N > 1 && layout == HEP_LAYOUT_EXPERT_MAJOR && !reuse &&
+        (size_t)x->num_permuted_tokens > g->plan.max_recv_rows)
+        return hep_fail(HEP_ERR_INVALID,
+                        "hep_dispatch_ex: num_permuted_tokens = %d exceeds max_recv_rows = %zu: "
+                        "across %d nodes with this node's ranks in several processes, the host "
+                        "backend's combine passes a rank's expert-major rows to its node-mates "
+                        "through its exchange.token at once (pass a budget of at most %zu rows, "
+                        "or create the group with a larger max_recv_rows)",
+                        x->num_permuted_tokens, g->plan.max_recv_rows, g->N,
+                        g->plan.max_recv_rows / (size_t)pad * (size_t)pad);
     return HEP_OK;
 }
 

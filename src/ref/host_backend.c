@@ -1167,12 +1167,20 @@ static void add_node_share(hep_backend_ctx *g, const view *v, int i, int src, co
         const float *pin = g->shm ? hep_shm_mate_probs(g, l)
                                   : (const float *)(uintptr_t)mailbox_of(g, l)[HEP_MB_PROBS_IN];
         const uint16_t *rows, *x;
+        hep_shm_comb mc; /* the mate's layout: its handle's (one process) or as published */
         if (!needs_rank(g, v, i, d))
             continue;
         rows = (const uint16_t *)(g->shm ? hep_be_peer_buf(g, l, HEP_BUF_TOKEN_X)
                                          : (char *)(uintptr_t)mailbox_of(g, l)[HEP_MB_COMBINE_IN]);
         n = local_experts(g, v, i, d, es);
-        if (!mh || mh->layout != HEP_LAYOUT_EXPERT_MAJOR) {
+        if (g->shm) {
+            hep_shm_mate_combine(g, l, &mc);
+        } else {
+            mc.layout = mh ? mh->layout : HEP_LAYOUT_RANK_MAJOR;
+            mc.budget = mh ? mh->budget : 0;
+            mc.ebase = mh ? mh->ebase : NULL;
+        }
+        if (mc.layout != HEP_LAYOUT_EXPERT_MAJOR) {
             size_t j = (size_t)(mbase[src] + c->next[l]++);
             if (j >= g->plan->max_recv_rows)
                 continue; /* dropped at dispatch (HEP_ASYNC past the capacity): nothing */
@@ -1185,8 +1193,8 @@ static void add_node_share(hep_backend_ctx *g, const view *v, int i, int src, co
         }
         for (int q = 0; q < n; q++) {
             int *en = &c->enext[(size_t)l * (size_t)El + (size_t)es[q]];
-            long long p = (long long)mh->ebase[(size_t)src * (size_t)El + (size_t)es[q]] + (*en)++;
-            if (p >= mh->budget)
+            long long p = (long long)mc.ebase[(size_t)src * (size_t)El + (size_t)es[q]] + (*en)++;
+            if (p >= mc.budget)
                 continue; /* dropped at dispatch: contributes nothing */
             x = rows + (size_t)p * (size_t)H;
             for (int ch = 0; ch < H; ch++)
@@ -1577,15 +1585,18 @@ static int combine_ex(hep_backend_ctx *g, const hep_combine_args *a, const hep_c
         mc.ebase = h->ebase;
         hep_shm_publish_combine(g, &mc);
     } else if (g->shm) { /* across processes node-mates read this rank's exchange.token
-                            * and, with probs_in, its dispatch.recv_prob */
+                            * and, with probs_in, its dispatch.recv_prob: all rows at once
+                            * (expert-major: group/ep.c keeps the budget <= max_recv_rows) */
+        const int em = h->layout == HEP_LAYOUT_EXPERT_MAJOR;
         hep_shm_comb mc;
-        mc.layout = HEP_LAYOUT_RANK_MAJOR; /* expert-major is refused here (group/ep.c) */
-        mc.rows = h->recv;
+        mc.layout = h->layout;
+        mc.rows = em ? h->num_permuted : h->recv;
         mc.budget = h->budget;
         mc.probs = co->probs_in != NULL;
-        mc.ebase = NULL;
-        hep_shm_stage_combine_input(g, a->expert_out, g->last_recv);
-        hep_shm_stage_combine_probs(g, co->probs_in, g->last_recv);
+        mc.ebase = h->ebase;
+        hep_shm_stage_combine_input(g, a->expert_out, mc.rows);
+        hep_shm_stage_combine_probs(g, co->probs_in,
+                                    (size_t)mc.rows * (size_t)(em ? 1 : g->cfg->experts_per_rank));
         hep_shm_publish_combine(g, &mc);
     }
     __atomic_store_n(flags_of(g, g->local) + HEP_FLAG_COMBINE_READY, e, __ATOMIC_RELEASE);

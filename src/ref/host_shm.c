@@ -83,11 +83,11 @@ void hep_shm_stage_round(hep_backend_ctx *g, const void *rows, const float *prob
         memmove(pdst, probs + (size_t)lo * (size_t)ppr, (size_t)n * (size_t)ppr * sizeof(float));
 }
 
-void hep_shm_stage_combine_probs(hep_backend_ctx *g, const float *probs, int rows)
+void hep_shm_stage_combine_probs(hep_backend_ctx *g, const float *probs, size_t n)
 {
     float *dst = (float *)hep_be_buf(g, HEP_BUF_RECV_PROB);
-    if (probs && probs != dst && rows > 0) /* memmove: the caller may pass probs inside it */
-        memmove(dst, probs, (size_t)rows * (size_t)g->cfg->experts_per_rank * sizeof(float));
+    if (probs && probs != dst && n > 0) /* memmove: the caller may pass probs inside it */
+        memmove(dst, probs, n * sizeof(float));
 }
 
 const float *hep_shm_mate_probs(const hep_backend_ctx *g, int l)

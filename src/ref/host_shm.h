@@ -24,10 +24,11 @@ void hep_shm_mate_inputs(const hep_backend_ctx *g, int l, hep_shm_inputs *in);
  * combine input (exchange.token) unless they are there already. Returns that address. */
 const void *hep_shm_stage_combine_input(hep_backend_ctx *g, const void *src, int rows);
 
-/* Across nodes (rank-major, all rows at once): this rank's probs_in ([rows, E_l], or NULL:
- * nothing) into its dispatch.recv_prob, where node-mates read it once it published its
- * combine layout (hep_shm_publish_combine) with probs set. */
-void hep_shm_stage_combine_probs(hep_backend_ctx *g, const float *probs, int rows);
+/* Across nodes (all rows at once): the n floats of this rank's probs_in (rank-major
+ * [rows, E_l], expert-major [rows]; NULL: nothing) into its dispatch.recv_prob, where
+ * node-mates read them once it published its combine layout (hep_shm_publish_combine)
+ * with probs set. n <= max_recv_rows x E_l. */
+void hep_shm_stage_combine_probs(hep_backend_ctx *g, const float *probs, size_t n);
 /* Node-mate l's probs_in as staged there and mapped here, or NULL when its current combine
  * (published before its HEP_FLAG_COMBINE_READY) gave none. */
 const float *hep_shm_mate_probs(const hep_backend_ctx *g, int l);
