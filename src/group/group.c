@@ -445,6 +445,12 @@ static int setup_internode(hep_group *g, const rank_card *cards, const hep_group
                             "backend only%s (run virtual nodes in one process, or one node per "
                             "host with an RDMA device)",
                             g->N, o.loopback ? "" : ", and this host has no RDMA device");
+        if (all_on_one_host(cards, g->world)) /* the verbs NIC asked for, none here */
+            return hep_fail(HEP_ERR_UNAVAILABLE,
+                            "%d nodes across processes: the verbs NIC was asked for "
+                            "(HEP_NIC=verbs), and this host has no RDMA device (HEP_NIC=loopback "
+                            "or auto joins the processes of one host through the loopback NIC)",
+                            g->N);
         return hep_fail(HEP_ERR_UNAVAILABLE,
                         "%d nodes across hosts need a verbs NIC: the loopback NIC joins the "
                         "ranks of one host only%s (run the nodes on one host, or one node per "
