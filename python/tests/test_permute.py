@@ -328,6 +328,39 @@ def test_a_small_row_budget_across_processes_drops_as_in_one_process():
     assert all((rows > 0) == ov for ov, rows in out.values()), out
 
 
+def _case_nodes_across_processes(rank, world, pad, budget, seed):
+    return _case(rank, world, None, pad, budget, seed, ranks_per_node=2)
+
+
+@pytest.mark.parametrize("pad", [1, 4])
+def test_expert_major_across_virtual_nodes_of_processes_matches_plain_torch(pad):
+    """2 nodes x 2 processes (gloo; the inter-node rings over the loopback NIC across
+    processes): rows, counts, sums and probabilities as plain torch, with a budget of the
+    receive capacity (W x T rows: there a rank's expert-major rows pass to its node-mates
+    at once)."""
+    out = run_ranks(_case_nodes_across_processes, 4, pad, 4 * T // pad * pad, 91 + pad,
+                    env={"HEP_NIC": "loopback"})
+    assert len(out) == 4
+
+
+def _budget_above_capacity(rank, world):
+    buf = hybridep.Buffer(None, H, T, EL, backend="host", max_topk=K, ranks_per_node=2)
+    try:
+        assert buf.transport == "loopback" and buf.num_nodes == 2
+        hidden, idx, w, _ = ref.inputs(5, rank, T, H, EL * world, K)
+        with pytest.raises(hybridep.HybridEPError) as e:
+            buf.dispatch_with_permute(hidden, idx, w, num_permuted_tokens=buf.max_recv_rows + 1)
+        assert e.value.status_name == "HEP_ERR_INVALID" and "max_recv_rows" in e.value.message
+        return e.value.message
+    finally:
+        buf.close()
+
+
+def test_an_expert_major_budget_above_the_receive_capacity_across_nodes_of_processes_is_refused():
+    out = run_ranks(_budget_above_capacity, 4, env={"HEP_NIC": "loopback"})
+    assert all("num_permuted_tokens" in m for m in out.values()), out
+
+
 def test_max_permuted_rows_caps_the_default_budget():
     """Buffer(max_permuted_rows=N) sets config.max_permuted_rows (the GPU's expert-major
     staging across processes) and caps the default budget at it, rounded down to the pad."""
