@@ -8,7 +8,8 @@
  * combined twice, the second time with probabilities, each probs_out element checked);
  * the expert-major layout across nodes (pad 1 and 4, a budget that drops rows, BF16 and
  * FP8) equals the same calls with every rank a thread of one process, every output bit for
- * bit, and a budget above max_recv_rows is refused with HEP_ERR_INVALID; nothing stays
+ * bit, also past max_recv_rows through the expert-major staging of config.max_permuted_rows
+ * rows, and a budget above both is refused with HEP_ERR_INVALID; nothing stays
  * in /dev/shm once creation returned and nothing stays mapped or open after destroy, nor
  * after a creation across nodes that failed on one rank. With the argument "missing" the
  * last rank never dispatches: every other rank's dispatch fails with HEP_ERR_TIMEOUT
@@ -382,18 +383,23 @@ static int em_thread(rank_ctx *r)
     return e->ref[r->rank].rc;
 }
 
+/* em_rows: config.max_permuted_rows (the expert-major staging across processes), and then
+ * config.max_recv_rows = recv_rows, fewer than the expert-major rows. */
 static void expert_major_case(const char *name, int fp8, int index64, int pad, int budget,
-                              unsigned seed, const hep_bootstrap *bs)
+                              int em_rows, int recv_rows, unsigned seed,
+                              const hep_bootstrap *bs)
 {
     static em_case e;
     static rank_ctx ctx[EP_MAX_RANKS];
     em_res mine;
     const int H = fp8 ? 256 : 136, El = 3, R = size / 2;
     const size_t rb = (size_t)H * (fp8 ? 1 : 2), E = (size_t)El * (size_t)size;
-    int bad = 0, total = 0;
+    int bad = 0, total = 0, most = 0, f0 = failures;
     memset(&e, 0, sizeof(e));
     config(&e.c.cfg, fp8, R);
     e.c.cfg.chunk_tokens = 3;
+    e.c.cfg.max_permuted_rows = em_rows;
+    e.c.cfg.max_recv_rows = em_rows ? recv_rows : 0;
     e.c.world = size;
     e.c.K = 3;
     e.c.index64 = index64;
@@ -427,13 +433,23 @@ static void expert_major_case(const char *name, int fp8, int index64, int pad, i
         CHECK(bad == 0, "%s: %d of the outputs differ from one process's (rows %d vs %d)", name,
               bad, mine.num_permuted, n);
         total = w->overflow_rows;
+        most = mine.num_permuted;
     }
     MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     MPI_Allreduce(MPI_IN_PLACE, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Allreduce(MPI_IN_PLACE, &most, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    /* the case is what its name says: rows past max_recv_rows (the staging), rows dropped */
+    if (em_rows)
+        CHECK(most > recv_rows, "%s: at most %d rows on a rank, not past max_recv_rows %d", name,
+              most, recv_rows);
+    if (strstr(name, "drops"))
+        CHECK(total > 0, "%s: no row dropped", name);
+    bad = failures - f0;
+    MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     if (rank == 0)
-        printf("%s: 2 x %d across processes, expert-major, %s (pad %d, budget %d, %d rows "
-               "dropped in all): as in one process\n",
-               bad ? "FAILED" : "ok", R, name, pad, budget, total);
+        printf("%s: 2 x %d across processes, expert-major, %s (pad %d, budget %d, up to %d rows "
+               "on a rank, %d dropped in all): as in one process\n",
+               bad ? "FAILED" : "ok", R, name, pad, budget, most, total);
     em_free(&mine);
     for (int r = 0; r < size; r++)
         em_free(&e.ref[r]);
@@ -441,8 +457,8 @@ static void expert_major_case(const char *name, int fp8, int index64, int pad, i
 }
 
 /* Across nodes with a node's ranks in several processes: an expert-major budget above
- * max_recv_rows is refused (HEP_ERR_INVALID); rank-major into a handle, with
- * probabilities back through combine, works. */
+ * max_recv_rows and config.max_permuted_rows (0 here) is refused (HEP_ERR_INVALID);
+ * rank-major into a handle, with probabilities back through combine, works. */
 static void expert_major_budget_above_the_receive_rows_is_refused(const hep_bootstrap *bs)
 {
     hep_config c;
@@ -649,8 +665,13 @@ int main(int argc, char **argv)
                     0, 0, 31, size, 0, 1, &bs);
         if (size == 4)
             oracle_case("FP8, int32 ids, chunks of 1", 1, 0, 0, 29, 1, 1, 0, &bs);
-        expert_major_case("BF16, int32 ids", 0, 0, 1, size * 24, 41, &bs);
-        expert_major_case("FP8, int64 ids, a budget that drops rows", 1, 1, 4, 16, 43, &bs);
+        expert_major_case("BF16, int32 ids", 0, 0, 1, size * 24, 0, 0, 41, &bs);
+        expert_major_case("FP8, int64 ids, a budget that drops rows", 1, 1, 4, 16, 0, 0, 43, &bs);
+        /* more rows than max_recv_rows: through the expert-major staging */
+        expert_major_case("BF16, int64 ids, in the staging of max_permuted_rows", 0, 1, 16,
+                          size * 24 * 3 + 48, size * 24 * 3 + 48, 48, 47, &bs);
+        expert_major_case("FP8, int32 ids, in the staging of max_permuted_rows", 1, 0, 16, 64,
+                          64, 44, 53, &bs);
         expert_major_budget_above_the_receive_rows_is_refused(&bs);
         a_failed_creation_leaves_nothing(&bs);
         create_destroy_leaves_nothing(&bs);

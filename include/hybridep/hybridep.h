@@ -108,7 +108,13 @@ typedef struct hep_config {
                              1..2^30, and a dispatch whose num_permuted_tokens exceeds it is
                              refused (HEP_ERR_INVALID). Not used (but allocated) when the
                              node's ranks are threads of one process (their kernels write the
-                             caller memory directly), nor by the host backend (not planned). */
+                             caller memory directly). Host backend: used across nodes with a
+                             node's ranks in several processes only, where a rank's combine
+                             passes its expert-major rows (and probabilities) to its node-mates
+                             through its shared segment at once: those past max_recv_rows go
+                             through a staging of this many rows in the segment (2 H + 4 bytes
+                             a row); a num_permuted_tokens above both is refused
+                             (HEP_ERR_INVALID). */
 } hep_config;
 
 /* Fill *c with the defaults above (the fields without a default are zero). */
@@ -352,7 +358,8 @@ typedef struct hep_dispatch_opts {
  * (HEP_ERR_UNAVAILABLE with the ranks in several processes), and two calls of one kind in
  * a row meet at a bootstrap barrier once the previous one ended on each rank; the host
  * backend has all of them (across nodes with the ranks of a node in several processes an
- * expert-major num_permuted_tokens must not exceed max_recv_rows: HEP_ERR_INVALID). */
+ * expert-major num_permuted_tokens must not exceed both max_recv_rows and
+ * config.max_permuted_rows: HEP_ERR_INVALID). */
 int hep_dispatch_ex(hep_group *g, const hep_dispatch_args *a, hep_dispatch_opts *opts,
                     hep_dispatch_result *out);
 

@@ -139,7 +139,9 @@ class Buffer:
     timeout_ms: bound of the bootstrap's waits (default HEP_TIMEOUT_MS or 30000);
     max_permuted_rows: rows of the group's expert-major staging (config.max_permuted_rows,
     default 0 = none), which dispatch_with_permute needs on the GPU when the node's ranks
-    are processes (torchrun: one process per GPU); it bounds num_permuted_tokens, and the
+    are processes (torchrun: one process per GPU), and on the host backend across nodes
+    with one process per rank for budgets above the receive capacity; it bounds
+    num_permuted_tokens (the host backend's: the larger of it and the capacity), and the
     default budget is capped at it (rounded down to pad_multiple).
 
     Call close() on every rank when done (collective); errors are HybridEPError."""
@@ -467,7 +469,8 @@ class Buffer:
         library's message where the backend lacks it (HEP_ERR_UNAVAILABLE: the GPU kernels
         across nodes, or across processes without max_permuted_rows) or refuses the budget
         (HEP_ERR_INVALID: above max_permuted_rows there; the host backend across nodes with
-        a node's ranks in several processes above max_recv_rows)."""
+        a node's ranks in several processes above both max_recv_rows and
+        max_permuted_rows)."""
         if not self._g:
             self._alive()
         reuse = handle is not None and topk_idx is None

@@ -16,7 +16,9 @@ sizes its non-blocking output: every row a rank can receive on one node, max tok
 ranks x min(top-k, local experts), plus the padding of a pad_multiple up to 128 per local
 expert, at 2 x hidden + 4 bytes a row (more with FP8 scales). Pass a smaller
 max_permuted_rows to spend less; a dispatch_with_permute whose num_permuted_tokens
-exceeds it is refused with a message that says so."""
+exceeds it is refused with a message that says so. The host backend with one process per
+rank across nodes stages the rows that do not fit its receive capacity there too, and
+gets the same default."""
 import torch
 
 from .buffer import Buffer, Handle, PermuteHandle, _ThreadRank
@@ -64,9 +66,11 @@ class HybridEPBuffer:
         self.num_of_experts_per_rank = num_local_experts
         self.use_fp8 = use_fp8
         max_topk = max_topk or min(32, num_local_experts * self.group_size)
-        if (max_permuted_rows is None and backend == "gpu" and not isinstance(group, _ThreadRank)
-                and (ranks_per_node is None or ranks_per_node >= self.group_size)):
-            # processes of one node: the permute pair needs the staging (see above)
+        one_node = ranks_per_node is None or ranks_per_node >= self.group_size
+        if (max_permuted_rows is None and not isinstance(group, _ThreadRank)
+                and (backend == "gpu") == one_node):
+            # processes of one node (GPU), or of several nodes (host backend): the permute
+            # pair needs the staging (see above)
             max_permuted_rows = default_staging_rows(max_num_of_tokens_per_rank,
                                                      self.group_size, num_local_experts,
                                                      max_topk)

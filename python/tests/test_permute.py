@@ -89,10 +89,11 @@ def _expert(d, rows, tpe):
     return (rows.float() * scale[:, None] + 0.5).to(torch.bfloat16)
 
 
-def _case(rank, world, tr, pad, budget, seed, ranks_per_node=None):
+def _case(rank, world, tr, pad, budget, seed, ranks_per_node=None, max_permuted_rows=None):
     """One dispatch_with_permute + combine_with_unpermute (with probabilities) against the
-    plain-torch reference; returns the rank's overflow flag."""
-    buf = hybridep.Buffer(tr, H, T, EL, backend="host", max_topk=K, ranks_per_node=ranks_per_node)
+    plain-torch reference; returns the rank's overflow flag (and the rows written)."""
+    buf = hybridep.Buffer(tr, H, T, EL, backend="host", max_topk=K, ranks_per_node=ranks_per_node,
+                          max_permuted_rows=max_permuted_rows)
     try:
         E = EL * world
         all_in = [ref.inputs(seed, r, T, H, E, K) for r in range(world)]
@@ -139,7 +140,7 @@ def _case(rank, world, tr, pad, budget, seed, ranks_per_node=None):
             ey[i] = acc
         assert torch.equal(y, ey.to(torch.bfloat16)), "combined tokens differ"
         assert torch.allclose(pout, ep), "probabilities through combine differ"
-        return h.overflow, h.overflow_rows
+        return h.overflow, h.overflow_rows, h.num_permuted, buf.max_recv_rows
     finally:
         buf.close()
 
@@ -158,8 +159,8 @@ def test_expert_major_across_virtual_nodes_matches_plain_torch(pad):
 
 def test_a_small_row_budget_drops_the_highest_experts_rows_and_says_so():
     out = run_threads(lambda r, w, tr: _case(r, w, tr, 4, 8, 71), 3)
-    assert any(ov for ov, _ in out.values()), out
-    assert all((rows > 0) == ov for ov, rows in out.values()), out
+    assert any(v[0] for v in out.values()), out
+    assert all((v[1] > 0) == v[0] for v in out.values()), out
 
 
 def _interleaved(rank, world, tr):
@@ -324,12 +325,13 @@ def test_expert_major_across_processes_matches_plain_torch(pad):
 
 def test_a_small_row_budget_across_processes_drops_as_in_one_process():
     out = run_ranks(_case_across_processes, 3, 4, 8, 71)
-    assert any(ov for ov, _ in out.values()), out
-    assert all((rows > 0) == ov for ov, rows in out.values()), out
+    assert any(v[0] for v in out.values()), out
+    assert all((v[1] > 0) == v[0] for v in out.values()), out
 
 
-def _case_nodes_across_processes(rank, world, pad, budget, seed):
-    return _case(rank, world, None, pad, budget, seed, ranks_per_node=2)
+def _case_nodes_across_processes(rank, world, pad, budget, seed, em_rows=None):
+    return _case(rank, world, None, pad, budget, seed, ranks_per_node=2,
+                 max_permuted_rows=em_rows)
 
 
 @pytest.mark.parametrize("pad", [1, 4])
@@ -341,6 +343,14 @@ def test_expert_major_across_virtual_nodes_of_processes_matches_plain_torch(pad)
     out = run_ranks(_case_nodes_across_processes, 4, pad, 4 * T // pad * pad, 91 + pad,
                     env={"HEP_NIC": "loopback"})
     assert len(out) == 4
+
+
+def test_expert_major_past_the_receive_capacity_across_nodes_of_processes_uses_the_staging():
+    """The default budget (every row on min(K, E_l) experts, padded to 16) is more rows than
+    the receive capacity: with max_permuted_rows they go through the segment's staging."""
+    out = run_ranks(_case_nodes_across_processes, 4, 16, None, 95, 4 * T * 3 + EL * 16,
+                    env={"HEP_NIC": "loopback"})
+    assert any(rows > cap for _, _, rows, cap in out.values()), out
 
 
 def _budget_above_capacity(rank, world):

@@ -26,6 +26,7 @@ enum { HEP_MB_TOKENS, HEP_MB_SCALES, HEP_MB_IDX, HEP_MB_WEIGHTS, HEP_MB_T, HEP_M
 /* Across processes (ref/host_shm.h): the words that start a rank's combine layout in its
  * segment, then [W][E_l] int32 (expert-major: each source's first row in block e). */
 enum { HEP_SHM_COMB_LAYOUT, HEP_SHM_COMB_ROWS, HEP_SHM_COMB_BUDGET, HEP_SHM_COMB_PROBS,
+       HEP_SHM_COMB_STAGED, /* across nodes: 1 when the rows are in the expert-major staging */
        HEP_SHM_COMB_WORDS };
 
 struct hep_coord;
@@ -55,6 +56,10 @@ typedef struct hep_backend_ctx {
     char *shm_stage[HEP_MAX_LOCAL]; /* each node-mate's input staging, as mapped here */
     size_t shm_st_scales, shm_st_idx, shm_st_weights; /* staging offsets (tokens at 0) */
     char *shm_comb[HEP_MAX_LOCAL];  /* each node-mate's combine layout, as mapped here */
+    char *shm_em[HEP_MAX_LOCAL];    /* N > 1: each node-mate's expert-major staging, as mapped
+                                       here: shm_em_rows BF16 rows, then at shm_em_prob their
+                                       f32 probabilities (NULL: none, max_permuted_rows 0) */
+    size_t shm_em_prob, shm_em_rows;
     uint64_t shm_rounds;            /* combine rounds so far (every node-mate counts alike) */
     uint64_t handle_tag;            /* this group's tag in its handles */
     struct hep_handle *own_handle;  /* host backend: the layout of a one-shot dispatch */

@@ -266,15 +266,22 @@ static int check_dispatch_opts(hep_group *g, const hep_dispatch_args *a, const h
                         x->num_permuted_tokens, g->cfg.max_permuted_rows,
                         g->cfg.max_permuted_rows / pad * pad);
     if (g->shm && g->N > 1 && layout == HEP_LAYOUT_EXPERT_MAJOR && !reuse &&
-        (size_t)x->num_permuted_tokens > g->plan.max_recv_rows)
+        (size_t)x->num_permuted_tokens > g->plan.max_recv_rows &&
+        x->num_permuted_tokens > g->cfg.max_permuted_rows) {
+        const size_t most = g->plan.max_recv_rows > (size_t)g->cfg.max_permuted_rows
+                                ? g->plan.max_recv_rows
+                                : (size_t)g->cfg.max_permuted_rows;
         return hep_fail(HEP_ERR_INVALID,
-                        "hep_dispatch_ex: num_permuted_tokens = %d exceeds max_recv_rows = %zu: "
-                        "across %d nodes with this node's ranks in several processes, the host "
-                        "backend's combine passes a rank's expert-major rows to its node-mates "
-                        "through its exchange.token at once (pass a budget of at most %zu rows, "
-                        "or create the group with a larger max_recv_rows)",
-                        x->num_permuted_tokens, g->plan.max_recv_rows, g->N,
-                        g->plan.max_recv_rows / (size_t)pad * (size_t)pad);
+                        "hep_dispatch_ex: num_permuted_tokens = %d exceeds both max_recv_rows = "
+                        "%zu and config.max_permuted_rows = %d: across %d nodes with this node's "
+                        "ranks in several processes, the host backend's combine passes a rank's "
+                        "expert-major rows to its node-mates at once, through its "
+                        "exchange.token or its expert-major staging of max_permuted_rows rows "
+                        "(pass a budget of at most %zu rows, or create the group with a larger "
+                        "max_permuted_rows)",
+                        x->num_permuted_tokens, g->plan.max_recv_rows, g->cfg.max_permuted_rows,
+                        g->N, most / (size_t)pad * (size_t)pad);
+    }
     return HEP_OK;
 }
 

@@ -39,6 +39,7 @@ struct hep_shm {
     char *base;
     size_t len;
     size_t off_local, off_stage, off_comb;       /* the shared arena starts at SHM_PAGE */
+    size_t off_em, off_em_prob;                  /* N > 1: the expert-major staging (0: none) */
     size_t st_scales, st_idx, st_weights;        /* staging offsets (tokens at 0) */
     char *mate[HEP_MAX_LOCAL];                   /* node-mates' segments, mapped here */
     char **peer;                                 /* g->nic_xproc: [N] each other node's rank
@@ -83,6 +84,15 @@ static int layout(const hep_group *g, struct hep_shm *s)
      * int32 (W < 2^31, E_l <= 1024: under 2^44 bytes, no overflow) */
     s->len = s->off_comb +
              page_up(HEP_SHM_COMB_WORDS * 8 + (size_t)g->world * (size_t)g->cfg.experts_per_rank * 4);
+    /* across nodes, config.max_permuted_rows BF16 rows and their f32 probabilities: the
+     * expert-major combine inputs that do not fit exchange.token (max_permuted_rows <= 2^30,
+     * H <= 65536: under 2^48 bytes, no overflow) */
+    if (g->N > 1 && g->cfg.max_permuted_rows > 0) {
+        const size_t er = (size_t)g->cfg.max_permuted_rows;
+        s->off_em = s->len;
+        s->off_em_prob = s->off_em + page_up(er * H * 2);
+        s->len = s->off_em_prob + page_up(er * 4);
+    }
     return HEP_OK;
 }
 
@@ -313,10 +323,16 @@ void hep_shm_fill_view(const hep_group *g, hep_backend_ctx *b)
         b->shm_comb[l] = l == g->local ? s->base + s->off_comb
                          : s->mate[l]   ? s->mate[l] + s->off_comb
                                         : NULL;
+        b->shm_em[l] = !s->off_em        ? NULL
+                       : l == g->local ? s->base + s->off_em
+                       : s->mate[l]     ? s->mate[l] + s->off_em
+                                        : NULL;
     }
     b->shm_st_scales = s->st_scales;
     b->shm_st_idx = s->st_idx;
     b->shm_st_weights = s->st_weights;
+    b->shm_em_prob = s->off_em_prob - s->off_em;
+    b->shm_em_rows = s->off_em ? (size_t)g->cfg.max_permuted_rows : 0;
 }
 
 void hep_shm_nic_windows(const hep_group *g, hep_loopback_window *win)

@@ -1164,18 +1164,18 @@ static void add_node_share(hep_backend_ctx *g, const view *v, int i, int src, co
         const int *mbase = (const int *)mate_local(g, l, HEP_BUF_HANDLE_META);
         const hep_handle *mh =
             g->shm ? NULL : (const hep_handle *)(uintptr_t)mailbox_of(g, l)[HEP_MB_HANDLE];
-        const float *pin = g->shm ? hep_shm_mate_probs(g, l)
-                                  : (const float *)(uintptr_t)mailbox_of(g, l)[HEP_MB_PROBS_IN];
+        const float *pin;
         const uint16_t *rows, *x;
         hep_shm_comb mc; /* the mate's layout: its handle's (one process) or as published */
         if (!needs_rank(g, v, i, d))
             continue;
-        rows = (const uint16_t *)(g->shm ? hep_be_peer_buf(g, l, HEP_BUF_TOKEN_X)
-                                         : (char *)(uintptr_t)mailbox_of(g, l)[HEP_MB_COMBINE_IN]);
         n = local_experts(g, v, i, d, es);
         if (g->shm) {
             hep_shm_mate_combine(g, l, &mc);
+            hep_shm_mate_input(g, l, &rows, &pin);
         } else {
+            rows = (const uint16_t *)(uintptr_t)mailbox_of(g, l)[HEP_MB_COMBINE_IN];
+            pin = (const float *)(uintptr_t)mailbox_of(g, l)[HEP_MB_PROBS_IN];
             mc.layout = mh ? mh->layout : HEP_LAYOUT_RANK_MAJOR;
             mc.budget = mh ? mh->budget : 0;
             mc.ebase = mh ? mh->ebase : NULL;
@@ -1582,21 +1582,22 @@ static int combine_ex(hep_backend_ctx *g, const hep_combine_args *a, const hep_c
         mc.rows = h->layout == HEP_LAYOUT_EXPERT_MAJOR ? h->num_permuted : h->recv;
         mc.budget = h->budget;
         mc.probs = co->probs_in != NULL;
+        mc.staged = 0; /* rounds through exchange.token */
         mc.ebase = h->ebase;
         hep_shm_publish_combine(g, &mc);
     } else if (g->shm) { /* across processes node-mates read this rank's exchange.token
-                            * and, with probs_in, its dispatch.recv_prob: all rows at once
-                            * (expert-major: group/ep.c keeps the budget <= max_recv_rows) */
+                            * and, with probs_in, its dispatch.recv_prob, all rows at once
+                            * (expert-major rows past max_recv_rows: in the expert-major
+                            * staging, whose rows group/ep.c checked the budget against) */
         const int em = h->layout == HEP_LAYOUT_EXPERT_MAJOR;
         hep_shm_comb mc;
         mc.layout = h->layout;
         mc.rows = em ? h->num_permuted : h->recv;
         mc.budget = h->budget;
-        mc.probs = co->probs_in != NULL;
         mc.ebase = h->ebase;
-        hep_shm_stage_combine_input(g, a->expert_out, mc.rows);
-        hep_shm_stage_combine_probs(g, co->probs_in,
-                                    (size_t)mc.rows * (size_t)(em ? 1 : g->cfg->experts_per_rank));
+        hep_shm_stage_combine_all(g, a->expert_out, co->probs_in, mc.rows,
+                                  (size_t)mc.rows * (size_t)(em ? 1 : g->cfg->experts_per_rank),
+                                  &mc);
         hep_shm_publish_combine(g, &mc);
     }
     __atomic_store_n(flags_of(g, g->local) + HEP_FLAG_COMBINE_READY, e, __ATOMIC_RELEASE);
@@ -1634,9 +1635,13 @@ static int combine_ex(hep_backend_ctx *g, const hep_combine_args *a, const hep_c
         r.out = a->out;
         r.in = a->expert_out ? a->expert_out : hep_be_buf(g, HEP_BUF_TOKEN_X);
         recorded_view(g, &r.mine);
-        for (int l = 0; l < g->R; l++) /* the mailboxes are in since COMBINE_READY */
-            mates_probs |= g->shm ? hep_shm_mate_probs(g, l) != NULL
-                                  : mailbox_of(g, l)[HEP_MB_PROBS_IN] != 0;
+        for (int l = 0; l < g->R; l++) { /* published since its COMBINE_READY */
+            const uint16_t *rows;
+            const float *pin = NULL;
+            if (g->shm)
+                hep_shm_mate_input(g, l, &rows, &pin);
+            mates_probs |= g->shm ? pin != NULL : mailbox_of(g, l)[HEP_MB_PROBS_IN] != 0;
+        }
         for (int m = 0; m < g->N; m++) {
             rp[m].m = m;
             rp[m].peer = m * g->R + g->local;

@@ -38,14 +38,6 @@ void hep_shm_mate_inputs(const hep_backend_ctx *g, int l, hep_shm_inputs *in)
     in->weights = (const float *)(st + g->shm_st_weights);
 }
 
-const void *hep_shm_stage_combine_input(hep_backend_ctx *g, const void *src, int rows)
-{
-    char *dst = hep_be_buf(g, HEP_BUF_TOKEN_X);
-    if (src && src != dst && rows > 0) /* memmove: the caller may pass rows inside it */
-        memmove(dst, src, (size_t)rows * (size_t)g->cfg->hidden * 2);
-    return dst;
-}
-
 void hep_shm_publish_combine(hep_backend_ctx *g, const hep_shm_comb *c)
 {
     uint64_t *w = (uint64_t *)g->shm_comb[g->local];
@@ -53,6 +45,7 @@ void hep_shm_publish_combine(hep_backend_ctx *g, const hep_shm_comb *c)
     w[HEP_SHM_COMB_ROWS] = (uint64_t)c->rows;
     w[HEP_SHM_COMB_BUDGET] = (uint64_t)c->budget;
     w[HEP_SHM_COMB_PROBS] = (uint64_t)c->probs;
+    w[HEP_SHM_COMB_STAGED] = (uint64_t)c->staged;
     if (c->layout == HEP_LAYOUT_EXPERT_MAJOR)
         memcpy(w + HEP_SHM_COMB_WORDS, c->ebase,
                sizeof(int) * (size_t)g->world * (size_t)g->cfg->experts_per_rank);
@@ -65,6 +58,7 @@ void hep_shm_mate_combine(const hep_backend_ctx *g, int l, hep_shm_comb *c)
     c->rows = (int)w[HEP_SHM_COMB_ROWS];
     c->budget = (int)w[HEP_SHM_COMB_BUDGET];
     c->probs = (int)w[HEP_SHM_COMB_PROBS];
+    c->staged = (int)w[HEP_SHM_COMB_STAGED];
     c->ebase = (const int *)(w + HEP_SHM_COMB_WORDS);
 }
 
@@ -83,15 +77,34 @@ void hep_shm_stage_round(hep_backend_ctx *g, const void *rows, const float *prob
         memmove(pdst, probs + (size_t)lo * (size_t)ppr, (size_t)n * (size_t)ppr * sizeof(float));
 }
 
-void hep_shm_stage_combine_probs(hep_backend_ctx *g, const float *probs, size_t n)
+void hep_shm_stage_combine_all(hep_backend_ctx *g, const void *src, const float *probs,
+                               int rows, size_t n, struct hep_shm_comb *c)
 {
-    float *dst = (float *)hep_be_buf(g, HEP_BUF_RECV_PROB);
-    if (probs && probs != dst && n > 0) /* memmove: the caller may pass probs inside it */
-        memmove(dst, probs, n * sizeof(float));
+    char *dst = hep_be_buf(g, HEP_BUF_TOKEN_X);
+    float *pdst = (float *)hep_be_buf(g, HEP_BUF_RECV_PROB);
+    c->staged = rows > 0 && (size_t)rows > g->plan->max_recv_rows;
+    c->probs = probs != NULL;
+    if (c->staged) {
+        dst = g->shm_em[g->local];
+        pdst = (float *)(dst + g->shm_em_prob);
+    }
+    /* memmove: the caller may pass rows (or probabilities) inside the destination */
+    if (src && src != dst && rows > 0)
+        memmove(dst, src, (size_t)rows * (size_t)g->cfg->hidden * 2);
+    if (probs && probs != pdst && n > 0)
+        memmove(pdst, probs, n * sizeof(float));
 }
 
-const float *hep_shm_mate_probs(const hep_backend_ctx *g, int l)
+void hep_shm_mate_input(const hep_backend_ctx *g, int l, const uint16_t **rows,
+                        const float **probs)
 {
     const uint64_t *w = (const uint64_t *)g->shm_comb[l];
-    return w[HEP_SHM_COMB_PROBS] ? (const float *)hep_be_peer_buf(g, l, HEP_BUF_RECV_PROB) : NULL;
+    const char *r = hep_be_peer_buf(g, l, HEP_BUF_TOKEN_X);
+    const char *p = hep_be_peer_buf(g, l, HEP_BUF_RECV_PROB);
+    if (w[HEP_SHM_COMB_STAGED] && g->shm_em[l]) {
+        r = g->shm_em[l];
+        p = r + g->shm_em_prob;
+    }
+    *rows = (const uint16_t *)r;
+    *probs = w[HEP_SHM_COMB_PROBS] ? (const float *)p : NULL;
 }

@@ -6,6 +6,8 @@
 
 #include "backend/backend.h"
 
+struct hep_shm_comb;
+
 /* This rank's inputs (or a node-mate's copy of them) where the host backend reads them. */
 typedef struct hep_shm_inputs {
     const void *tokens;   /* [t, H] rows */
@@ -20,18 +22,20 @@ char *hep_shm_mate_local(const hep_backend_ctx *g, int l);
 void hep_shm_stage_inputs(hep_backend_ctx *g, const hep_dispatch_args *a);
 /* Where node-mate l's staged inputs are mapped here. */
 void hep_shm_mate_inputs(const hep_backend_ctx *g, int l, hep_shm_inputs *in);
-/* Make `rows` expert-output rows at `src` readable by node-mates: copied into this rank's
- * combine input (exchange.token) unless they are there already. Returns that address. */
-const void *hep_shm_stage_combine_input(hep_backend_ctx *g, const void *src, int rows);
 
-/* Across nodes (all rows at once): the n floats of this rank's probs_in (rank-major
- * [rows, E_l], expert-major [rows]; NULL: nothing) into its dispatch.recv_prob, where
- * node-mates read them once it published its combine layout (hep_shm_publish_combine)
- * with probs set. n <= max_recv_rows x E_l. */
-void hep_shm_stage_combine_probs(hep_backend_ctx *g, const float *probs, size_t n);
-/* Node-mate l's probs_in as staged there and mapped here, or NULL when its current combine
- * (published before its HEP_FLAG_COMBINE_READY) gave none. */
-const float *hep_shm_mate_probs(const hep_backend_ctx *g, int l);
+/* Across nodes (all rows at once): this rank's combine input, `rows` BF16 rows and with
+ * `probs` their n floats (rank-major [rows, E_l], expert-major [rows]), where node-mates
+ * read them once it published its combine layout (hep_shm_publish_combine) with c->probs
+ * and c->staged as this call set them: exchange.token and dispatch.recv_prob when the rows
+ * fit max_recv_rows, else (expert-major) the expert-major staging (rows <= shm_em_rows,
+ * checked at dispatch). */
+void hep_shm_stage_combine_all(hep_backend_ctx *g, const void *src, const float *probs,
+                               int rows, size_t n, struct hep_shm_comb *c);
+/* Node-mate l's combine input as staged there and mapped here: its rows, and its
+ * probabilities or NULL when its current combine (published before its
+ * HEP_FLAG_COMBINE_READY) gave none. */
+void hep_shm_mate_input(const hep_backend_ctx *g, int l, const uint16_t **rows,
+                        const float **probs);
 
 /* The combine across the processes of one node, in rounds (ref/host_backend.c): each
  * node-mate's rows (and probabilities) pass through its exchange.token (and
@@ -39,6 +43,7 @@ const float *hep_shm_mate_probs(const hep_backend_ctx *g, int l);
  * inputs there. Its layout, for the node-mates: */
 typedef struct hep_shm_comb {
     int layout, rows, budget, probs; /* hep_layout; rows of its input; budget; probs_in given */
+    int staged;                      /* across nodes: in the expert-major staging */
     const int *ebase;                /* expert-major: [W][E_l] each source's first row in e */
 } hep_shm_comb;
 /* Publish this rank's combine layout (h's) where its node-mates read it. */
