@@ -2,6 +2,8 @@
 rank, combine. Run one process per rank:
 
     torchrun --nproc-per-node 4 examples/moe_layer.py --backend host      # no GPU
+    torchrun --nproc-per-node 4 examples/moe_layer.py --backend host --ranks-per-node 2
+                                        # 2 x 2 virtual nodes: the inter-node path, no NIC
     torchrun --nproc-per-node 8 examples/moe_layer.py --backend gpu       # one or more GPUs
 
 Checks the layer against the same layer computed with plain torch on each rank's tokens
@@ -73,6 +75,9 @@ def main():
     ap.add_argument("--topk", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--sms", type=int, default=None)
+    ap.add_argument("--ranks-per-node", type=int, default=None,
+                    help="ranks of one node (default: those of one host); fewer make virtual "
+                         "nodes, joined by the loopback NIC on one host")
     a = ap.parse_args()
     gpu = a.backend == "gpu"
     if gpu:
@@ -81,7 +86,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda") if gpu else torch.device("cpu")
     buf = hybridep.Buffer(None, a.hidden, a.tokens, a.experts_per_rank, backend=a.backend,
-                          num_sms=a.sms, max_topk=a.topk)
+                          num_sms=a.sms, max_topk=a.topk, ranks_per_node=a.ranks_per_node)
     layer = MoE(buf, a.hidden, a.ffn, a.experts_per_rank, a.topk, world, rank).to(dev)
     g = torch.Generator().manual_seed(100 + rank)
     x = (torch.randn(a.tokens, a.hidden, generator=g)).to(torch.bfloat16).to(dev)
@@ -112,9 +117,10 @@ def main():
     allres = [torch.zeros(4) for _ in range(world)]
     dist.all_gather(allres, res)
     if rank == 0:
-        print("hybridep MoE layer: %d ranks, backend %s, %d tokens x %d hidden per rank, "
-              "%d experts per rank, top-%d" % (world, a.backend, a.tokens, a.hidden,
-                                               a.experts_per_rank, a.topk))
+        print("hybridep MoE layer: %d ranks (%d nodes x %d, transport %s), backend %s, %d "
+              "tokens x %d hidden per rank, %d experts per rank, top-%d"
+              % (world, buf.num_nodes, buf.ranks_per_node, buf.transport, a.backend, a.tokens,
+                 a.hidden, a.experts_per_rank, a.topk))
         for r, v in enumerate(allres):
             print("  rank %d: received %d rows; matches plain torch: %s (max |diff| %.3g); "
                   "forward %.3f ms, forward+backward %.3f ms (medians of %d)"
