@@ -14,15 +14,27 @@ def _expert(rank, rows):
     return (rows.float() * (rank + 1) + 0.5).to(torch.bfloat16)
 
 
-def _dispatch_combine_matches_reference(rank, world, seeds):
-    buf = hybridep.Buffer(None, H, T, EL, backend="host", max_topk=K)
-    assert buf.transport == "none" and buf.num_nodes == 1 and buf.ranks_per_node == world
+def _matches_reference(rank, world, R, seeds):
+    """Dispatch and combine against plain torch: one node (R None), or virtual nodes of R
+    ranks over the loopback NIC across processes (the inter-node path: rings, proxy)."""
+    if R is None:
+        buf = hybridep.Buffer(None, H, T, EL, backend="host", max_topk=K)
+        assert buf.transport == "none" and buf.num_nodes == 1 and buf.ranks_per_node == world
+    else:
+        buf = hybridep.Buffer(None, H, T, EL, backend="host", max_topk=K, ranks_per_node=R)
+        assert buf.transport == "loopback", buf.transport
+        assert buf.num_nodes == world // R and buf.ranks_per_node == R
     E = EL * world
+    prev = None
     for n, seed in enumerate(seeds):
         index_dtype = torch.int64 if n % 2 == 0 else torch.int32
         all_in = [ref.inputs(seed, r, T, H, E, K, index_dtype) for r in range(world)]
         hidden, idx, w, _ = all_in[rank]
         tokens, probs, scales, tpe, handle = buf.dispatch(hidden, idx, w)
+        # the returned tokens are the caller's: this dispatch left the last round's alone
+        if prev is not None:
+            assert torch.equal(prev[0], prev[1]), "round %d changed round %d's tokens" % (n, n - 1)
+        prev = (tokens, tokens.clone())
         exp_rows, exp_probs, exp_tpe, origin, _ = ref.dispatch(all_in, rank, EL)
         assert scales is None
         assert torch.equal(tokens, exp_rows), "round %d: received rows differ" % n
@@ -37,50 +49,23 @@ def _dispatch_combine_matches_reference(rank, world, seeds):
             rows_d, _, _, origin_d, _ = ref.dispatch(all_in, d, EL)
             outs.append(_expert(d, rows_d))
             origins.append(origin_d)
-        expected = ref.combine(outs, origins, rank, hidden.shape[0], H)
+        if R is None:
+            expected = ref.combine(outs, origins, rank, hidden.shape[0], H)
+        else:
+            expected = ref.combine_nodes(outs, origins, rank, hidden.shape[0], H, R)
         assert torch.equal(out, expected), "round %d: combined tokens differ" % n
-        # the returned tokens are the caller's: a later dispatch does not change them
-        keep = tokens.clone()
-        if n + 1 < len(seeds):
-            assert torch.equal(tokens, keep)
     buf.close()
     return True
 
 
 def test_dispatch_combine_match_plain_torch_on_four_processes():
-    run_ranks(_dispatch_combine_matches_reference, 4, [1, 2, 3, 4])
-
-
-def _nodes_match_reference(rank, world, R, seeds):
-    buf = hybridep.Buffer(None, H, T, EL, backend="host", max_topk=K, ranks_per_node=R)
-    assert buf.transport == "loopback", buf.transport
-    assert buf.num_nodes == world // R and buf.ranks_per_node == R
-    E = EL * world
-    for n, seed in enumerate(seeds):
-        index_dtype = torch.int64 if n % 2 == 0 else torch.int32
-        all_in = [ref.inputs(seed, r, T, H, E, K, index_dtype) for r in range(world)]
-        hidden, idx, w, _ = all_in[rank]
-        tokens, probs, scales, tpe, handle = buf.dispatch(hidden, idx, w)
-        exp_rows, exp_probs, exp_tpe, origin, _ = ref.dispatch(all_in, rank, EL)
-        assert torch.equal(tokens, exp_rows), "round %d: received rows differ" % n
-        assert torch.equal(probs, exp_probs), "round %d: probabilities differ" % n
-        assert torch.equal(tpe, exp_tpe), "round %d: tokens per expert differ" % n
-        out = buf.combine(_expert(rank, tokens), handle)
-        outs, origins = [], []
-        for d in range(world):
-            rows_d, _, _, origin_d, _ = ref.dispatch(all_in, d, EL)
-            outs.append(_expert(d, rows_d))
-            origins.append(origin_d)
-        expected = ref.combine_nodes(outs, origins, rank, hidden.shape[0], H, R)
-        assert torch.equal(out, expected), "round %d: combined tokens differ" % n
-    buf.close()
-    return True
+    run_ranks(_matches_reference, 4, None, [1, 2, 3, 4])
 
 
 def test_two_nodes_of_two_processes_match_plain_torch_over_the_loopback_nic():
     """2 x 2 virtual nodes, one process per rank: the inter-node path (rings, proxy) over
     the loopback NIC across processes, no GPU and no RDMA device."""
-    run_ranks(_nodes_match_reference, 4, 2, [5, 6, 7], env={"HEP_NIC": "loopback"})
+    run_ranks(_matches_reference, 4, 2, [5, 6, 7], env={"HEP_NIC": "loopback"})
 
 
 def _fp8_dispatch(rank, world):
