@@ -217,6 +217,16 @@ static int open_mate(const hep_group *g, int rank, const shm_card *c, char **out
     return HEP_OK;
 }
 
+/* open_mate for rank r, which must be on this rank's host (`need` says why it must). */
+static int open_on_host(const hep_group *g, int r, const shm_card *all, const shm_card *mine,
+                        const char *need, char **out)
+{
+    if (strcmp(all[r].host, mine->host) != 0)
+        return hep_fail(HEP_ERR_INVALID, "%s: rank %d is on '%.63s', rank %d on '%.63s'", need,
+                        g->rank, mine->host, r, all[r].host);
+    return open_mate(g, r, &all[r], out);
+}
+
 int hep_shm_map_mates(hep_group *g)
 {
     struct hep_shm *s = g->shm;
@@ -240,32 +250,18 @@ int hep_shm_map_mates(hep_group *g)
     rc = g->bs.allgather(g->bs.ctx, &mine, all, sizeof(mine));
     gathered = rc == HEP_OK;
     for (int l = 0; rc == HEP_OK && l < g->R; l++) {
-        int r = g->node * g->R + l;
         if (l == g->local)
             continue;
-        if (strcmp(all[r].host, mine.host) != 0)
-            rc = hep_fail(HEP_ERR_INVALID,
-                          "the host backend needs the ranks of a node on one host: rank %d is "
-                          "on '%.63s', rank %d on '%.63s'",
-                          g->rank, mine.host, r, all[r].host);
-        else
-            rc = open_mate(g, r, &all[r], &s->mate[l]);
+        rc = open_on_host(g, g->node * g->R + l, all, &mine, "the host backend needs the ranks "
+                          "of a node on one host", &s->mate[l]);
         g->peer_shared[l] = s->mate[l] ? s->mate[l] + SHM_PAGE : NULL;
     }
     /* the loopback NIC across processes: the rank of each other node that this rank's
      * proxy writes to (the same local rank), mapped as node-mates are */
-    for (int m = 0; rc == HEP_OK && g->nic_xproc && m < g->N; m++) {
-        int r = m * g->R + g->local;
-        if (m == g->node)
-            continue;
-        if (strcmp(all[r].host, mine.host) != 0)
-            rc = hep_fail(HEP_ERR_INVALID,
-                          "the loopback NIC across processes needs every rank on one host: rank "
-                          "%d is on '%.63s', rank %d on '%.63s'",
-                          g->rank, mine.host, r, all[r].host);
-        else
-            rc = open_mate(g, r, &all[r], &s->peer[m]);
-    }
+    for (int m = 0; rc == HEP_OK && g->nic_xproc && m < g->N; m++)
+        if (m != g->node)
+            rc = open_on_host(g, m * g->R + g->local, all, &mine, "the loopback NIC across "
+                              "processes needs every rank on one host", &s->peer[m]);
     for (int r = 0; gathered && r < g->world; r++)
         s->local_at[r] = all[r].local;
     g->peer_shared[g->local] = g->arena[HEP_ARENA_SHARED];
