@@ -28,6 +28,26 @@
 #define ST_ROW(p, v) (*(p) = (v))
 #endif
 
+#ifdef HEP_BULK_STORES
+// Tuning variant (bench/NOTES.md, "Session 6"): each pass is staged once in the warp's shared memory
+// and every pair's lane issues one bulk copy (cp.async.bulk, shared -> global) of it, so
+// the stores leave the warp's issue slots and registers.
+extern __shared__ __align__(16) uint4 hep_stage[];
+__device__ __forceinline__ void bulk_wait_read()
+{
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_all()
+{
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+#define STAGE_BYTES ((size_t)(DISPATCH_THREADS / 32) * 32 * DU * 16)
+#else
+#define STAGE_BYTES ((size_t)0)
+__device__ __forceinline__ void bulk_wait_all() {}
+#endif
+
 // One warp copies source row `src` to the rows of the pairs in `mask`: lane k holds pair
 // k's destination kd and its row there (rank-major: lane d is destination d, kd = d;
 // expert-major: lane k is slot k). Each pass loads up to DU vectors per lane (all in flight
@@ -46,6 +66,27 @@ __device__ __forceinline__ void push_row(const uint4 *src, bool slot, unsigned m
             if (q < v1)
                 buf[u] = slot ? ld_cg(src + q) : __ldg(src + q);
         }
+#ifdef HEP_BULK_STORES
+        uint4 *stage = hep_stage + (threadIdx.x >> 5) * (32 * DU);
+        bulk_wait_read(); /* the previous pass's copies have read the stage */
+        __syncwarp();
+#pragma unroll
+        for (int u = 0; u < DU; u++) {
+            const int q = v0 + u * 32 + lane;
+            if (q < v1)
+                stage[q - v0] = buf[u];
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncwarp();
+        if ((mask >> lane) & 1u) {
+            char *dst = s_x[kd] + (size_t)row * rb + (size_t)v0 * 16;
+            const unsigned sa = (unsigned)__cvta_generic_to_shared(stage);
+            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n\t"
+                         "cp.async.bulk.commit_group;" ::"l"(dst),
+                         "r"(sa), "r"((unsigned)(v1 - v0) * 16u)
+                         : "memory");
+        }
+#else
         for (unsigned m = mask; m; m &= m - 1) {
             const int k = __ffs(m) - 1;
             const int d = __shfl_sync(FULL, kd, k), r = __shfl_sync(FULL, row, k);
@@ -57,6 +98,7 @@ __device__ __forceinline__ void push_row(const uint4 *src, bool slot, unsigned m
                     ST_ROW(dst + q, buf[u]);
             }
         }
+#endif
     }
 }
 
@@ -149,6 +191,7 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
     for (int i = w0; i < w1; i++)
 #endif
         push_token(a, v, L, i, mybase, s_x, s_prob, s_scale, drop_cnt);
+    bulk_wait_all(); /* HEP_BULK_STORES: the list's copies are done (and their stage read) */
 }
 
 // The end of every block: it arrives at every destination; block 0 waits for every
@@ -212,7 +255,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
 {
     extern __shared__ int sm[];
     const int R = a.R, N = a.N, tid = threadIdx.x, S = gridDim.x, b = blockIdx.x;
-    const layout_smem s = layout_smem_at(sm, R, a.El);
+    const layout_smem s = layout_smem_at(sm + STAGE_BYTES / sizeof(int), R, a.El);
     const unsigned long long t_start = now_ns();
     /* destination tables in shared memory: indexing the kernel parameters by a run-time
      * destination compiles to constant-bank loads, which stall on every row pass */
@@ -347,8 +390,8 @@ extern "C" size_t hep_dispatch_smem(int R, int El)
 {
     /* layout_smem: cnt [R][El], wcnt [32][R], run, pre, tot [R], recv [El + 1], pkey, gkey
      * and gcnt [threads] */
-    return sizeof(int) * ((size_t)R * El + 32 * (size_t)R + 3 * (size_t)R + (size_t)El + 1 +
-                          3 * (size_t)DISPATCH_THREADS);
+    return STAGE_BYTES + sizeof(int) * ((size_t)R * El + 32 * (size_t)R + 3 * (size_t)R +
+                                        (size_t)El + 1 + 3 * (size_t)DISPATCH_THREADS);
 }
 
 extern "C" int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream)

@@ -332,6 +332,7 @@ static __device__ void em_push(const hep_kargs &a, const layout_smem &s, char **
     warp_range(t0, t1, tid >> 5, blockDim.x >> 5, w0, w1);
     for (int i = w0; i < w1; i++)
         em_push_token(a, own, a.node, i, s_x, s_prob, s_scale);
+    bulk_wait_all();
 }
 
 // N > 1, every block after em_push, once the other nodes' slots arrived (wait_slots): the
@@ -366,6 +367,7 @@ static __device__ bool em_push_slots(const hep_kargs &a, unsigned long long e, c
         for (int i = w0; i < w1; i++)
             em_push_token(a, v, L, i, s_x, s_prob, s_scale);
     }
+    bulk_wait_all();
     return true;
 }
 

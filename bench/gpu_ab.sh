@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# A/B of kernel builds in one call: the main build (.gpu) against each variant built by
+# bench/gpu_variants.sh (.gpu/var/<name>), AB_ROUNDS (2) rounds, builds alternating, so that
+# the GPU's state drifts over all of them alike. Prints one table row per (build, bench).
+# AB_VARIANTS: the variant names (default: every .gpu/var/* without "trace" in its name);
+# AB_SWEEP1: the one-rank SM counts (16,132). Trace builds (HEP_LAYOUT_TRACE) run once each, their cycle lines printed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/hep-gpu}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}
+names=${AB_VARIANTS:-$(ls .gpu/var 2>/dev/null | grep -v trace | tr '\n' ' ')}
+run() { # build-dir label args...
+  local dir=$1 label=$2; shift 2
+  LD_LIBRARY_PATH=$dir:$LD_LIBRARY_PATH timeout 120 $dir/hybridep bench "$@" > "$OUT/ab_last.txt" 2>&1
+  local rc=$?
+  echo "== $label $*" >> "$OUT/ab.txt"; cat "$OUT/ab_last.txt" >> "$OUT/ab.txt"
+  awk -v l="$label" '/^ *[0-9]+ +[0-9]+ +[0-9.]+ /{printf "%-8s %s\n", l, $0}
+                     /^(dispatch|combine)/{printf "%-8s %s\n", l, $0}' "$OUT/ab_last.txt"
+  [ $rc = 0 ] && grep -q verified "$OUT/ab_last.txt" ||
+    { echo "$label: exit $rc, not verified:"; tail -5 "$OUT/ab_last.txt"; }
+}
+for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+  echo "--- round $r"
+  for n in base $names; do
+    d=.gpu; [ "$n" = base ] || d=.gpu/var/$n
+    run $d "$n" --ranks-per-node 1 --experts-per-rank 8 --topk 8 --sweep-sms "${AB_SWEEP1:-16,132}"
+    run $d "$n" --sweep-sms 8,16
+    run $d "$n" --dtype fp8 --sweep-sms 16
+  done
+done
+for t in $(ls .gpu/var 2>/dev/null | grep trace); do
+  for args in "--ranks-per-node 1 --experts-per-rank 8 --topk 8 --sms 132" \
+              "--ranks-per-node 1 --experts-per-rank 8 --topk 8 --sms 132 --tokens 512" \
+              "--ranks-per-node 1 --experts-per-rank 8 --topk 8 --sms 16" ""; do
+    echo "--- $t: bench $args --iters 4"
+    LD_LIBRARY_PATH=.gpu/var/$t:$LD_LIBRARY_PATH .gpu/var/$t/hybridep bench $args --iters 4 \
+      > "$OUT/ab_trace.txt" 2>&1
+    grep LTRACE "$OUT/ab_trace.txt" | tail -4
+  done
+done
