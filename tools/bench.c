@@ -1023,9 +1023,6 @@ static int parse(int argc, char **argv, bench_opts *o)
                         (long long)o->nodes * o->R, BENCH_MAX_RANKS);
     if (o->layout_em && o->sweep.n)
         return cli_fail("bench", 2, "--layout expert: not with --sweep-sms");
-    if (o->layout_em && o->nodes > 1 && o->backend != 2)
-        return cli_fail("bench", 2, "--layout expert: the GPU kernels have the expert-major "
-                        "layout for one node only (--nodes 1, or --backend host)");
     if (o->backend == 2 && o->sweep.n)
         return cli_fail("bench", 2, "--sweep-sms times GPU kernels: not with --backend host");
     if (o->backend == 1 || (o->backend == 0 && hep_has_gpu_backend())) {
