@@ -52,6 +52,17 @@ __device__ __forceinline__ layout_smem layout_smem_at(int *sm, int R, int El)
     return s;
 }
 
+#ifdef HEP_SCAN_KEYS
+static __device__ __noinline__ void record_bad_id(hep_diag *diag, int i, int k, long long x)
+{
+    if (atomicCAS(&diag->invalid_claimed, 0u, 1u) == 0u) {
+        diag->bad_token = i;
+        diag->bad_slot = k;
+        diag->bad_value = x;
+    }
+}
+#endif
+
 // Block b's positions among its tokens of list L at each destination (dest_rows, made
 // rank-wide by rebase) and its totals (block_counts); with `count`, the list's
 // per-(destination, expert) counts are added to the published counts `mine`. An own id
@@ -72,6 +83,37 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
     for (int tile = t0; tile < t1; tile += blockDim.x) {
         const int i = tile + tid;
         unsigned mask = 0;
+#ifdef HEP_SCAN_KEYS
+        // Tuning variant: with K <= 8 a token's ids are loaded together (no atomic between
+        // them) and kept as keys d * El + e at this node, so the duplicate check compares
+        // registers instead of reloading the earlier ids after each atomic.
+        if (v.K <= 8 && !v.slot) {
+            int key[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                key[k] = -1;
+                if (k < v.K && i < t1) {
+                    const long long x = list_id(a, v, i, k);
+                    if (x < -1 || x >= E)
+                        record_bad_id(a.diag, i, k, x);
+                    else if (x >= first && x < first + (long long)R * El)
+                        key[k] = (int)(x - first);
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                bool dup = false;
+#pragma unroll
+                for (int q = 0; q < k; q++)
+                    dup |= key[q] == key[k];
+                if (key[k] >= 0) {
+                    mask |= 1u << (key[k] / El);
+                    if (count && !dup)
+                        atomicAdd(&s.cnt[key[k]], 1);
+                }
+            }
+        } else
+#endif
         if (i < t1) {
             for (int k = 0; k < v.K; k++) {
                 long long x = list_id(a, v, i, k);
