@@ -14,9 +14,10 @@
  * with probabilities through combine, BF16 and FP8, int32 and int64 routing; the
  * expert-major handle sequence (pad 1, 16, 128, BF16 and FP8, a budget overflow, a reused
  * layout, a handle combined twice, with and without probabilities through combine); the
- * receive capacity (BF16 and FP8: exactly met, one row short: HEP_ERR_OVERFLOW on every
- * rank naming the rank and its rows, no receive byte written on the node of the rank over
- * it, then dispatch and combine again; the no-sync drop, the calls themselves since they
+ * receive capacity (BF16 and FP8, rank-major and expert-major: exactly met, one row short:
+ * HEP_ERR_OVERFLOW on every rank naming the rank and its rows, no receive byte written on
+ * the node of the rank over it, in the group's buffer or the caller's, then dispatch and
+ * combine again; the no-sync drop, the calls themselves since they
  * cannot be captured across nodes, against the host's drop element by element, once with
  * every node dropping and once with node 0 below the capacity, whose ranks get no
  * warning); what stays refused there is checked to be. Every run checks that the
@@ -160,6 +161,22 @@ static void make_cap_case(tcase *c, int W, int T, int H, int fp8, unsigned seed)
     for (int k = 0; k < KS; k++)
         c->ids[1][0][c->t[0][0] * KS + k] = k == 0 ? c->cap_rank * EL : -1;
     c->t[1][0]++;
+}
+
+/* Expert-major rows rank d needs for set a with pad_multiple pad (padding included). */
+static int need_em(const tcase *c, int a, int d, int pad);
+
+/* The capacity sequence in the expert-major layout (pad_multiple pad): both budgets hold
+ * every rank's rows of both sets, so only the receive capacity is exceeded. */
+static void make_em_cap_case(tcase *c, int W, int T, int H, int fp8, int pad, unsigned seed)
+{
+    int most = 0;
+    make_cap_case(c, W, T, H, fp8, seed);
+    c->em = 1, c->pad = pad;
+    for (int a = 0; a < 2; a++)
+        for (int d = 0; d < W; d++)
+            most = need_em(c, a, d, pad) > most ? need_em(c, a, d, pad) : most;
+    c->budget[0] = c->budget[1] = c->em_rows = most;
 }
 
 /* The no-sync overflow sequence: set 0 (random) needs more than the capacity, two thirds
@@ -835,30 +852,37 @@ static int run_rank(rank_ctx *x)
     if (c->gpu)
         b.settle = &x->bs;
     if (c->cap_mode == 1) {
-        /* exactly the capacity: fits */
-        xo = opts_into(&b, hA, 0);
+        const size_t rows1 = b.maxr * rbytes(c); /* the caller's rows of step 1 */
+        /* exactly the capacity: fits (c->em: expert-major, into hA with the full budget) */
+        xo = opts_case(c, &b, hA, 0, 0);
         da = dargs(c, r, &b, 0, 0, st, 0);
         o->rc[0] = hep_dispatch_ex(g, &da, &xo, &dr);
         if (o->rc[0])
             FAIL("rank %d: dispatch at the capacity: %s", r, hep_last_error());
         save_dispatch(c, o, &m, &b, 0, &dr);
+        if (c->em)
+            save_em(c, o, &m, &b, 0, &xo, 0);
         if ((o->rc[1] = do_combine(g, hA, &b, 0, st, 0, !c->noprobs)))
             FAIL("rank %d: combine at the capacity: %s", r, hep_last_error());
         save_combine(c, o, &m, &b, 0, c->t[0][r]);
         /* one row short on cap_rank: every rank fails, the receive buffers untouched */
         x->bs.barrier(x->bs.ctx); /* every node-mate finished reading this rank's rows */
-        if (c->gpu && (cudaMemset(hep_combine_input(g), 0xff, (size_t)c->cap * rbytes(c)) ||
-                       cudaDeviceSynchronize()))
+        if ((c->gpu && (cudaMemset(hep_combine_input(g), 0xff, (size_t)c->cap * rbytes(c)) ||
+                        cudaDeviceSynchronize())) ||
+            m_set(&m, b.rtok[1], 0xff, rows1))
             FAIL("rank %d: poison", r);
         x->bs.barrier(x->bs.ctx);
-        xo = opts_into(&b, hB, 1);
+        xo = opts_case(c, &b, hB, 1, 1);
         da = dargs(c, r, &b, 1, 0, st, 0);
         o->rc[2] = hep_dispatch_ex(g, &da, &xo, &dr);
         snprintf(o->msg, sizeof(o->msg), "%s", hep_last_error());
-        /* nothing received on this rank (across nodes: on the node of the rank over it; the
-         * other nodes received their rows, below the capacity, and the call is void) */
-        if (c->gpu && (!c->R || r / c->R == c->cap_rank / c->R)) {
-            unsigned char *xr = m_get(&m, hep_combine_input(g), (size_t)c->cap * rbytes(c));
+        /* nothing received on this rank (across nodes on the GPU: on the node of the rank
+         * over it; the other nodes received their rows, below the capacity, and the call is
+         * void): not in the group's exchange buffer, not in the caller's outputs */
+        if (!c->gpu || !c->R || r / c->R == c->cap_rank / c->R) {
+            unsigned char *xr = c->gpu ? m_get(&m, hep_combine_input(g), (size_t)c->cap * rbytes(c))
+                                       : NULL;
+            unsigned char *cr = m_get(&m, b.rtok[1], rows1);
             for (size_t k = 0; xr && k < (size_t)c->cap * rbytes(c); k++)
                 if (xr[k] != 0xff) {
                     o->bad++;
@@ -866,15 +890,26 @@ static int run_rank(rank_ctx *x)
                              "rank %d: the overflowing dispatch wrote receive byte %zu", r, k);
                     break;
                 }
+            for (size_t k = 0; cr && !o->bad && k < rows1; k++)
+                if (cr[k] != 0xff) {
+                    o->bad++;
+                    snprintf(o->err, sizeof(o->err),
+                             "rank %d: the overflowing dispatch wrote byte %zu of the caller's "
+                             "recv_tokens", r, k);
+                    break;
+                }
             free(xr);
+            free(cr);
         }
         /* the group stays usable: A again, into hB */
-        xo = opts_into(&b, hB, 1);
+        xo = opts_case(c, &b, hB, 1, 1);
         da = dargs(c, r, &b, 0, 0, st, 0);
         o->rc[3] = hep_dispatch_ex(g, &da, &xo, &dr);
         if (o->rc[3])
             FAIL("rank %d: dispatch after the overflow: %s", r, hep_last_error());
         save_dispatch(c, o, &m, &b, 1, &dr);
+        if (c->em)
+            save_em(c, o, &m, &b, 1, &xo, 0);
         if ((o->rc[4] = do_combine(g, hB, &b, 1, st, 0, !c->noprobs)))
             FAIL("rank %d: combine after the overflow: %s", r, hep_last_error());
         save_combine(c, o, &m, &b, 1, c->t[0][r]);
@@ -1301,6 +1336,15 @@ static void capacity_met_then_one_short_then_fits_again(void **state)
     free(c);
 }
 
+static void expert_major_capacity_met_then_one_short_then_fits_again(void **state)
+{
+    tcase *c = new_case();
+    (void)state;
+    make_em_cap_case(c, W_(), T_(), 256, 0, 16, 18u);
+    run_case(c, "expert-major, capacity, pad 16");
+    free(c);
+}
+
 static void capacity_met_then_one_short_then_fits_again_fp8(void **state)
 {
     tcase *c = new_case();
@@ -1419,6 +1463,10 @@ static const nodes_spec nodes_specs[] = {
      0, 53u, "2 x 4 nodes, capacity, bf16, int64", 1, 0},
     {"nodes_2x4_capacity_met_then_one_short_then_fits_again_fp8", 2, 4, 1, 0, 0, 0, 0, 0, 0, 54u,
      "2 x 4 nodes, capacity, fp8", 1, 0},
+    {"nodes_2x2_expert_major_capacity_met_then_one_short_pad_16_bf16", 2, 2, 0, 0, 1, 0, 16, 0,
+     0, 59u, "2 x 2 nodes, expert-major, capacity, pad 16, bf16", 1, 0},
+    {"nodes_2x4_expert_major_capacity_met_then_one_short_pad_128_fp8_int64", 2, 4, 1, 1, 1, 0,
+     128, 0, 0, 60u, "2 x 4 nodes, expert-major, capacity, pad 128, fp8, int64", 1, 0},
     {"nodes_2x2_no_sync_past_the_capacity_drops_rows_then_fits_bf16", 2, 2, 0, 0, 0, 0, 0, 0, 0,
      55u, "2 x 2 nodes, no-sync capacity overflow, bf16", 2, 0},
     {"nodes_2x4_no_sync_past_the_capacity_drops_rows_then_fits_fp8_int64", 2, 4, 1, 1, 0, 0, 0,
@@ -1439,7 +1487,9 @@ static void nodes_cap_case(const nodes_spec *p)
 {
     tcase *c = new_case();
     const int W = p->N * p->R, T = small_only() ? 24 : 96, H = small_only() ? 128 : 512;
-    if (p->cap == 1)
+    if (p->cap == 1 && p->em)
+        make_em_cap_case(c, W, T, H, p->fp8, p->pad, p->seed);
+    else if (p->cap == 1)
         make_cap_case(c, W, T, H, p->fp8, p->seed);
     else
         make_drop_case(c, W, T, H, p->fp8, p->thin ? p->R : 0, p->seed);
@@ -1529,6 +1579,7 @@ int main(void)
         cmocka_unit_test(handles_with_four_ranks_and_int32_routing),
         cmocka_unit_test(capacity_met_then_one_short_then_fits_again),
         cmocka_unit_test(capacity_met_then_one_short_then_fits_again_fp8),
+        cmocka_unit_test(expert_major_capacity_met_then_one_short_then_fits_again),
         cmocka_unit_test(no_sync_past_the_capacity_drops_rows_in_graph_replays_then_fits),
         cmocka_unit_test(graph_replays_of_the_no_sync_mode_equal_the_host),
         cmocka_unit_test(expert_major_pad_1_equals_the_host),
