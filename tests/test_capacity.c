@@ -6,8 +6,8 @@
  * overflow words, the kept rows, counts and tokens per expert, nothing written past the
  * capacity, and a combine in which the dropped row contributes nothing); and the next call
  * with fitting routing succeeds. One node of 4 ranks and 2 nodes of 2 (the loopback NIC). The
- * GPU backend refuses a capacity across nodes at group creation (tests/test_gpu_train.c
- * checks it on one node). */
+ * GPU backend takes a capacity across nodes too: group creation does not refuse it
+ * (tests/test_gpu_train.c checks its outputs on one node and across virtual nodes). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -268,15 +268,20 @@ static int gpu_rank(rank_ctx *x)
     return rc;
 }
 
-static void gpu_backend_refuses_a_capacity_across_nodes_at_creation(void **state)
+/* Without a GPU the creation fails for that reason (the device), never for the capacity;
+ * with one it succeeds. */
+static void gpu_backend_takes_a_capacity_across_nodes_at_creation(void **state)
 {
     rank_ctx ctx[2];
     (void)state;
-    assert_int_equal(run_ranks(2, gpu_rank, NULL, ctx), 0);
+    (void)run_ranks(2, gpu_rank, NULL, ctx);
     for (int r = 0; r < 2; r++) {
-        if (ctx[r].rc != HEP_ERR_UNAVAILABLE)
+        if (ctx[r].rc == HEP_OK)
+            continue;
+        if (strstr(ctx[r].err, "max_recv_rows") || strstr(ctx[r].err, "capacity"))
             fail_msg("rank %d: %s: %s", r, hep_status_name(ctx[r].rc), ctx[r].err);
-        assert_non_null(strstr(ctx[r].err, "receive capacity with one node only, not across 2 nodes"));
+        print_message("rank %d: no GPU group here (%s: %s), not for the capacity\n", r,
+                      hep_status_name(ctx[r].rc), ctx[r].err);
     }
 }
 
@@ -302,7 +307,7 @@ int main(void)
         cmocka_unit_test(config_check_bounds_the_capacity_by_world_x_tokens),
         cmocka_unit_test(capacity_met_fits_one_short_overflows_or_drops_everywhere_one_node),
         cmocka_unit_test(capacity_met_fits_one_short_overflows_or_drops_everywhere_two_nodes),
-        cmocka_unit_test(gpu_backend_refuses_a_capacity_across_nodes_at_creation),
+        cmocka_unit_test(gpu_backend_takes_a_capacity_across_nodes_at_creation),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -13,9 +13,16 @@
  * sequence with outputs in caller memory and the zero-copy view, and the handle sequence
  * with probabilities through combine, BF16 and FP8, int32 and int64 routing; the
  * expert-major handle sequence (pad 1, 16, 128, BF16 and FP8, a budget overflow, a reused
- * layout, a handle combined twice, with and without probabilities through combine); what
- * stays refused there is checked to be. Without a GPU it skips with the reason. HEP_GPU_TEST_SMALL=1 runs small shapes
- * (compute-sanitizer).
+ * layout, a handle combined twice, with and without probabilities through combine); the
+ * receive capacity (BF16 and FP8, rank-major and expert-major: exactly met, one row short:
+ * HEP_ERR_OVERFLOW on every rank naming the rank and its rows, no receive byte written on
+ * the node of the rank over it, in the group's buffer or the caller's, then dispatch and
+ * combine again; the no-sync drop, the calls themselves since they
+ * cannot be captured across nodes, against the host's drop element by element, once with
+ * every node dropping and once with node 0 below the capacity, whose ranks get no
+ * warning); what stays refused there is checked to be. Every run checks that the
+ * GUARD_ROWS after the receive outputs in caller memory were never written. Without a GPU
+ * it skips with the reason. HEP_GPU_TEST_SMALL=1 runs small shapes (compute-sanitizer).
  *
  * Each case runs the same per-rank sequence on a host-backend group and on a GPU group;
  * the host run goes first and its outputs are the oracle the GPU run is compared with. */
@@ -137,9 +144,9 @@ static int need(const tcase *c, int a, int d)
 
 /* The capacity sequence: set 0 needs exactly the capacity at its fullest rank; set 1 is
  * set 0 plus one token of rank 0 on that rank only (one row short). */
-static void make_cap_case(tcase *c, int W, int T, int H, unsigned seed)
+static void make_cap_case(tcase *c, int W, int T, int H, int fp8, unsigned seed)
 {
-    make_case(c, W, T - 1, H, 0, seed);
+    make_case(c, W, T - 1, H, fp8, seed);
     c->T = T;
     c->cfg.max_tokens = T;
     c->cap_mode = 1;
@@ -156,12 +163,34 @@ static void make_cap_case(tcase *c, int W, int T, int H, unsigned seed)
     c->t[1][0]++;
 }
 
+/* Expert-major rows rank d needs for set a with pad_multiple pad (padding included). */
+static int need_em(const tcase *c, int a, int d, int pad);
+
+/* The capacity sequence in the expert-major layout (pad_multiple pad): both budgets hold
+ * every rank's rows of both sets, so only the receive capacity is exceeded. */
+static void make_em_cap_case(tcase *c, int W, int T, int H, int fp8, int pad, unsigned seed)
+{
+    int most = 0;
+    make_cap_case(c, W, T, H, fp8, seed);
+    c->em = 1, c->pad = pad;
+    for (int a = 0; a < 2; a++)
+        for (int d = 0; d < W; d++)
+            most = need_em(c, a, d, pad) > most ? need_em(c, a, d, pad) : most;
+    c->budget[0] = c->budget[1] = c->em_rows = most;
+}
+
 /* The no-sync overflow sequence: set 0 (random) needs more than the capacity, two thirds
- * of its busiest rank's rows, on some ranks; set 1, the first tokens of set 0, fits. */
-static void make_drop_case(tcase *c, int W, int T, int H, unsigned seed)
+ * of its busiest rank's rows, on some ranks; set 1, the first tokens of set 0, fits.
+ * thin > 0: the slots of set 0 on an expert of the first `thin` ranks (node 0 of virtual
+ * nodes) are unused but in every third token, so that those ranks stay below the capacity. */
+static void make_drop_case(tcase *c, int W, int T, int H, int fp8, int thin, unsigned seed)
 {
     int most = 0, fits;
-    make_case(c, W, T, H, 0, seed);
+    make_case(c, W, T, H, fp8, seed);
+    for (int r = 0; r < W; r++)
+        for (int i = 0; thin && i < T * KS; i++)
+            if (c->ids[0][r][i] >= 0 && c->ids[0][r][i] < thin * EL && i / KS % 3)
+                c->ids[0][r][i] = -1;
     c->cap_mode = 2;
     for (int d = 0; d < W; d++)
         most = need(c, 0, d) > most ? need(c, 0, d) : most;
@@ -294,6 +323,7 @@ typedef struct rank_bufs {
     float *sc[2], *w[2], *pin, *pout;
     void *rtok[STEPS];
     float *rprob[STEPS], *rscale[STEPS];
+    size_t maxr; /* rows of rtok, rprob, rscale; GUARD_ROWS more follow, poisoned */
     const hep_bootstrap *settle; /* GPU runs: every rank ends a step's copies here */
 } rank_bufs;
 
@@ -328,6 +358,47 @@ static int put_ids(const tcase *c, const mem *m, void *dst, const int *ids)
     rc = m_put(m, dst, w, sizeof(*w) * n);
     free(w);
     return rc;
+}
+
+/* Rows after the receive outputs in caller memory (poisoned with GUARD_BYTE at setup): no
+ * dispatch may write them (a row at or past the capacity is never written). */
+#define GUARD_ROWS 4
+#define GUARD_BYTE 0xa5
+
+static int m_set(const mem *m, void *dst, int v, size_t n)
+{
+    if (!m->gpu) {
+        memset(dst, v, n);
+        return 0;
+    }
+    return cudaMemset(dst, v, n) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess;
+}
+
+/* The guard bytes after the rows of rtok/rprob/rscale of every step: the first one changed
+ * is named in o->err (1), or 0. */
+static int guard_intact(const tcase *c, struct rout *o, const mem *m, const rank_bufs *b, int r)
+{
+    const size_t rb = rbytes(c), ns = (size_t)c->H / 128, n = b->maxr;
+    for (int s = 0; s < STEPS; s++) {
+        const void *p[3] = {(const char *)b->rtok[s] + n * rb, b->rprob[s] + n * EL,
+                            b->rscale[s] + n * ns};
+        const size_t len[3] = {GUARD_ROWS * rb, GUARD_ROWS * EL * sizeof(float),
+                               GUARD_ROWS * ns * sizeof(float)};
+        static const char *what[3] = {"recv_tokens", "recv_probs", "recv_scales"};
+        for (int q = 0; q < 3; q++) {
+            unsigned char *h = len[q] ? m_get(m, p[q], len[q]) : NULL;
+            for (size_t k = 0; h && k < len[q]; k++)
+                if (h[k] != GUARD_BYTE) {
+                    snprintf(o->err, sizeof(o->err),
+                             "rank %d: %s of step %d: byte %zu past its %zu rows (the "
+                             "capacity) was written: 0x%02x", r, what[q], s, k, n, h[k]);
+                    free(h);
+                    return 1;
+                }
+            free(h);
+        }
+    }
+    return 0;
 }
 
 static int setup_bufs(tcase *c, int r, const mem *m, hep_group *g, rank_bufs *b)
@@ -377,11 +448,16 @@ static int setup_bufs(tcase *c, int r, const mem *m, hep_group *g, rank_bufs *b)
     }
     b->out = m_alloc(m, T * H * 2);
     b->pout = m_alloc(m, sizeof(float) * T * EL * (size_t)c->W);
+    b->maxr = maxr;
     for (int s = 0; s < STEPS; s++) {
-        b->rtok[s] = m_alloc(m, maxr * rb);
-        b->rprob[s] = m_alloc(m, sizeof(float) * maxr * EL);
-        b->rscale[s] = m_alloc(m, sizeof(float) * (maxr * ns + 1));
-        if (!b->rtok[s] || !b->rprob[s] || !b->rscale[s])
+        const size_t n = maxr + GUARD_ROWS;
+        b->rtok[s] = m_alloc(m, n * rb);
+        b->rprob[s] = m_alloc(m, sizeof(float) * n * EL);
+        b->rscale[s] = m_alloc(m, sizeof(float) * (n * ns + 1));
+        if (!b->rtok[s] || !b->rprob[s] || !b->rscale[s] ||
+            m_set(m, (char *)b->rtok[s] + maxr * rb, GUARD_BYTE, GUARD_ROWS * rb) ||
+            m_set(m, b->rprob[s] + maxr * EL, GUARD_BYTE, sizeof(float) * GUARD_ROWS * EL) ||
+            m_set(m, b->rscale[s] + maxr * ns, GUARD_BYTE, sizeof(float) * GUARD_ROWS * ns))
             return 1;
     }
     return !b->out || !b->pout;
@@ -530,6 +606,31 @@ static void save_words(const mem *m, const hep_dispatch_result *dr, int *w)
         w[0] = w[1] = w[2] = -8;
 }
 
+/* cap_mode 2: the first rank of set 0 over the capacity among ranks [r0, r1), or -1. */
+static int first_over(const tcase *c, int r0, int r1)
+{
+    for (int d = r0; d < r1; d++)
+        if (need(c, 0, d) > c->cap)
+            return d;
+    return -1;
+}
+
+/* cap_mode 2: where run `side` of rank r says whom its drop warning names, and its
+ * overflow_device[HEP_OVERFLOW_DROPPED]: any rank's (the host backend; the GPU on one node),
+ * or across nodes on the GPU the ranks of r's node only (the kernels see no other node's
+ * rows). -1: no rank in that scope needs more than the capacity. */
+static int drop_scope_first(const tcase *c, int side, int r)
+{
+    if (side == 0 || !c->R)
+        return first_over(c, 0, c->W);
+    return first_over(c, r / c->R * c->R, r / c->R * c->R + c->R);
+}
+
+static int drop_word0(const tcase *c, int side, int r)
+{
+    return drop_scope_first(c, side, r) >= 0;
+}
+
 /* cap_mode 2 on rank x->rank: set 0 with HEP_ASYNC into hA and its combine (the GPU:
  * captured once, replayed graph_replays times, each replay checked against the host run),
  * its status (the call's on the host, hep_group_sync's on the GPU) in rc[2] and msg; then
@@ -558,35 +659,51 @@ static int drop_sequence(tcase *c, rank_ctx *x, hep_group *g, hep_handle *hA, he
             FAIL("rank %d: combine of the dropping dispatch: %s", r, hep_last_error());
         save_combine(c, o, &m, b, 0, c->t[0][r]);
     } else {
+        /* across nodes a call cannot be captured (the proxy posts its writes): the calls
+         * themselves, once, with HEP_ASYNC, and hep_group_sync */
+        const int capture = c->R == 0, reps = capture ? c->graph_replays : 1;
         cudaGraph_t graph = NULL;
         cudaGraphExec_t exec = NULL;
         x->bs.barrier(x->bs.ctx);
-        if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
-            FAIL("rank %d: begin capture", r);
-        xo = opts_into(b, hA, 0);
-        da = dargs(c, r, b, 0, 0, st, HEP_ASYNC);
-        rc = hep_dispatch_ex(g, &da, &xo, &dr);
-        crc = do_combine(g, hA, b, 0, st, HEP_ASYNC, 1);
-        if (cudaStreamEndCapture(st, &graph) != cudaSuccess || rc || crc ||
-            cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
-            FAIL("rank %d: capture: %d %d %s", r, rc, crc, hep_last_error());
+        if (capture) {
+            if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
+                FAIL("rank %d: begin capture", r);
+            xo = opts_into(b, hA, 0);
+            da = dargs(c, r, b, 0, 0, st, HEP_ASYNC);
+            rc = hep_dispatch_ex(g, &da, &xo, &dr);
+            crc = do_combine(g, hA, b, 0, st, HEP_ASYNC, 1);
+            if (cudaStreamEndCapture(st, &graph) != cudaSuccess || rc || crc ||
+                cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
+                FAIL("rank %d: capture: %d %d %s", r, rc, crc, hep_last_error());
+        }
         /* every rank ended its capture before any rank synchronizes the device (the poison
          * below): a device-wide synchronization while another thread still captures fails
          * there and invalidates that capture (seen once in five runs on the H200) */
         x->bs.barrier(x->bs.ctx);
-        for (int rep = 0; rep < c->graph_replays; rep++) {
-            hep_dispatch_result rr = dr;
+        for (int rep = 0; rep < reps; rep++) {
+            hep_dispatch_result rr;
             const size_t rows = (size_t)c->cap;
             if (cudaMemset(b->rtok[0], 0xff, rows * rbytes(c)) ||
                 cudaMemset(b->rprob[0], 0xff, rows * sizeof(float) * EL) ||
                 cudaMemset(b->out, 0xff, (size_t)c->T * c->H * 2) ||
                 cudaMemset(b->pout, 0xff, sizeof(float) * (size_t)c->T * EL * c->W) ||
-                cudaMemset((void *)dr.overflow_device, 0xee, 3 * sizeof(int)) ||
+                (capture && cudaMemset((void *)dr.overflow_device, 0xee, 3 * sizeof(int))) ||
                 cudaDeviceSynchronize())
                 FAIL("rank %d: poison", r);
             x->bs.barrier(x->bs.ctx);
-            if (cudaGraphLaunch(exec, st) != cudaSuccess)
-                FAIL("rank %d: graph launch", r);
+            if (capture) {
+                if (cudaGraphLaunch(exec, st) != cudaSuccess)
+                    FAIL("rank %d: graph launch", r);
+            } else {
+                xo = opts_into(b, hA, 0);
+                da = dargs(c, r, b, 0, 0, st, HEP_ASYNC);
+                rc = hep_dispatch_ex(g, &da, &xo, &dr);
+                if (rc && rc != HEP_WARN_IGNORED)
+                    FAIL("rank %d: no-sync dispatch past the capacity: %s", r, hep_last_error());
+                if ((crc = do_combine(g, hA, b, 0, st, HEP_ASYNC, 1)))
+                    FAIL("rank %d: no-sync combine of it: %s", r, hep_last_error());
+            }
+            rr = dr;
             o->rc[2] = hep_group_sync(g, st);
             snprintf(o->msg, sizeof(o->msg), "%s", hep_last_error());
             if (o->rc[2] && o->rc[2] != HEP_WARN_IGNORED)
@@ -598,7 +715,8 @@ static int drop_sequence(tcase *c, rank_ctx *x, hep_group *g, hep_handle *hA, he
             free(o->comb[0]), free(o->pout[0]);
             save_dispatch(c, o, &m, b, 0, &rr);
             save_combine(c, o, &m, b, 0, c->t[0][r]);
-            if (memcmp(o->ovw[0], c->out[0][r].ovw[0], sizeof(o->ovw[0])) ||
+            if (o->ovw[0][0] != drop_word0(c, 1, r) ||
+                memcmp(o->ovw[0] + 1, c->out[0][r].ovw[0] + 1, 2 * sizeof(int)) ||
                 compare_rank(c, r, 1)) {
                 snprintf(o->err + strlen(o->err), sizeof(o->err) - strlen(o->err),
                          " (overflow words %d %d %d, host %d %d %d; graph replay %d)",
@@ -607,8 +725,10 @@ static int drop_sequence(tcase *c, rank_ctx *x, hep_group *g, hep_handle *hA, he
                 break;
             }
         }
-        cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph);
+        if (exec)
+            cudaGraphExecDestroy(exec);
+        if (graph)
+            cudaGraphDestroy(graph);
         if (o->err[0])
             return 1;
     }
@@ -732,28 +852,37 @@ static int run_rank(rank_ctx *x)
     if (c->gpu)
         b.settle = &x->bs;
     if (c->cap_mode == 1) {
-        /* exactly the capacity: fits */
-        xo = opts_into(&b, hA, 0);
+        const size_t rows1 = b.maxr * rbytes(c); /* the caller's rows of step 1 */
+        /* exactly the capacity: fits (c->em: expert-major, into hA with the full budget) */
+        xo = opts_case(c, &b, hA, 0, 0);
         da = dargs(c, r, &b, 0, 0, st, 0);
         o->rc[0] = hep_dispatch_ex(g, &da, &xo, &dr);
         if (o->rc[0])
             FAIL("rank %d: dispatch at the capacity: %s", r, hep_last_error());
         save_dispatch(c, o, &m, &b, 0, &dr);
+        if (c->em)
+            save_em(c, o, &m, &b, 0, &xo, 0);
         if ((o->rc[1] = do_combine(g, hA, &b, 0, st, 0, !c->noprobs)))
             FAIL("rank %d: combine at the capacity: %s", r, hep_last_error());
         save_combine(c, o, &m, &b, 0, c->t[0][r]);
         /* one row short on cap_rank: every rank fails, the receive buffers untouched */
         x->bs.barrier(x->bs.ctx); /* every node-mate finished reading this rank's rows */
-        if (c->gpu && (cudaMemset(hep_combine_input(g), 0xff, (size_t)c->cap * rbytes(c)) ||
-                       cudaDeviceSynchronize()))
+        if ((c->gpu && (cudaMemset(hep_combine_input(g), 0xff, (size_t)c->cap * rbytes(c)) ||
+                        cudaDeviceSynchronize())) ||
+            m_set(&m, b.rtok[1], 0xff, rows1))
             FAIL("rank %d: poison", r);
         x->bs.barrier(x->bs.ctx);
-        xo = opts_into(&b, hB, 1);
+        xo = opts_case(c, &b, hB, 1, 1);
         da = dargs(c, r, &b, 1, 0, st, 0);
         o->rc[2] = hep_dispatch_ex(g, &da, &xo, &dr);
         snprintf(o->msg, sizeof(o->msg), "%s", hep_last_error());
-        if (c->gpu) { /* nothing received on this rank */
-            unsigned char *xr = m_get(&m, hep_combine_input(g), (size_t)c->cap * rbytes(c));
+        /* nothing received on this rank (across nodes on the GPU: on the node of the rank
+         * over it; the other nodes received their rows, below the capacity, and the call is
+         * void): not in the group's exchange buffer, not in the caller's outputs */
+        if (!c->gpu || !c->R || r / c->R == c->cap_rank / c->R) {
+            unsigned char *xr = c->gpu ? m_get(&m, hep_combine_input(g), (size_t)c->cap * rbytes(c))
+                                       : NULL;
+            unsigned char *cr = m_get(&m, b.rtok[1], rows1);
             for (size_t k = 0; xr && k < (size_t)c->cap * rbytes(c); k++)
                 if (xr[k] != 0xff) {
                     o->bad++;
@@ -761,15 +890,26 @@ static int run_rank(rank_ctx *x)
                              "rank %d: the overflowing dispatch wrote receive byte %zu", r, k);
                     break;
                 }
+            for (size_t k = 0; cr && !o->bad && k < rows1; k++)
+                if (cr[k] != 0xff) {
+                    o->bad++;
+                    snprintf(o->err, sizeof(o->err),
+                             "rank %d: the overflowing dispatch wrote byte %zu of the caller's "
+                             "recv_tokens", r, k);
+                    break;
+                }
             free(xr);
+            free(cr);
         }
         /* the group stays usable: A again, into hB */
-        xo = opts_into(&b, hB, 1);
+        xo = opts_case(c, &b, hB, 1, 1);
         da = dargs(c, r, &b, 0, 0, st, 0);
         o->rc[3] = hep_dispatch_ex(g, &da, &xo, &dr);
         if (o->rc[3])
             FAIL("rank %d: dispatch after the overflow: %s", r, hep_last_error());
         save_dispatch(c, o, &m, &b, 1, &dr);
+        if (c->em)
+            save_em(c, o, &m, &b, 1, &xo, 0);
         if ((o->rc[4] = do_combine(g, hB, &b, 1, st, 0, !c->noprobs)))
             FAIL("rank %d: combine after the overflow: %s", r, hep_last_error());
         save_combine(c, o, &m, &b, 1, c->t[0][r]);
@@ -893,7 +1033,9 @@ static int run_rank(rank_ctx *x)
     }
 out:
     if (g)
-        x->bs.barrier(x->bs.ctx);
+        x->bs.barrier(x->bs.ctx); /* every rank's calls ended: the guard rows can be read */
+    if (g && !o->err[0] && b.maxr)
+        (void)guard_intact(c, o, &m, &b, r); /* o->err names a written byte */
     hep_handle_destroy(hA);
     hep_handle_destroy(hB);
     free_bufs(&m, &b);
@@ -1059,38 +1201,39 @@ static int check_em_overflow(const tcase *c, const char *name)
 }
 
 /* cap_mode 2, both runs: the status and message of the dropping dispatch, its overflow
- * words and kept rows as this test counts them, the words of the call that fit. */
+ * words and kept rows as this test counts them, the words of the call that fit. Across
+ * nodes on the GPU the warning and word 0 are those of each rank's node (drop_scope_first):
+ * a node with no rank over the capacity returns HEP_OK from hep_group_sync. */
 static int check_drop(const tcase *c, const char *name)
 {
-    int bad = 0, first = -1, dropped = 0;
-    char want[128];
-    for (int d = 0; d < c->W && first < 0; d++)
-        if (need(c, 0, d) > c->cap)
-            first = d;
-    if (first < 0) {
+    int bad = 0, dropped = 0;
+    if (first_over(c, 0, c->W) < 0) {
         print_error("%s: no rank needs more than the capacity %d: the case is wrong\n", name,
                     c->cap);
         return 1;
     }
-    snprintf(want, sizeof(want), "rank %d needs %d receive rows, more than "
-             "config.max_recv_rows = %d (", first, need(c, 0, first), c->cap);
     for (int side = 0; side < 2; side++)
         for (int r = 0; r < c->W; r++) {
             const struct rout *o = &c->out[side][r];
-            const int n0 = need(c, 0, r), n1 = need(c, 1, r);
-            const int w0[3] = {1, n0, n0 > c->cap ? n0 - c->cap : 0}, w1[3] = {0, n1, 0};
+            const int n0 = need(c, 0, r), n1 = need(c, 1, r), first = drop_scope_first(c, side, r);
+            const int w0[3] = {first >= 0, n0, n0 > c->cap ? n0 - c->cap : 0}, w1[3] = {0, n1, 0};
+            char want[128] = "";
+            if (first >= 0)
+                snprintf(want, sizeof(want), "rank %d needs %d receive rows, more than "
+                         "config.max_recv_rows = %d (", first, need(c, 0, first), c->cap);
             dropped += side == 0 && w0[2] > 0;
-            if (o->rc[2] != HEP_WARN_IGNORED || !strstr(o->msg, want) ||
+            if (o->rc[2] != (first >= 0 ? HEP_WARN_IGNORED : HEP_OK) ||
+                (first >= 0 && !strstr(o->msg, want)) ||
                 memcmp(o->ovw[0], w0, sizeof(w0)) || memcmp(o->ovw[1], w1, sizeof(w1)) ||
                 o->nrecv[0] != (n0 < c->cap ? n0 : c->cap) || o->nrecv[1] != n1) {
-                print_error("%s, %s rank %d: past the capacity %d: %s: %s (want \"%s\"); "
+                print_error("%s, %s rank %d: past the capacity %d: %s: %s (want %s \"%s\"); "
                             "words %d %d %d (want %d %d %d), then %d %d %d (want %d %d %d); "
                             "rows %d, %d (want %d, %d)\n",
                             name, side ? "GPU" : "host", r, c->cap, hep_status_name(o->rc[2]),
-                            o->msg, want, o->ovw[0][0], o->ovw[0][1], o->ovw[0][2], w0[0],
-                            w0[1], w0[2], o->ovw[1][0], o->ovw[1][1], o->ovw[1][2], w1[0],
-                            w1[1], w1[2], o->nrecv[0], o->nrecv[1],
-                            n0 < c->cap ? n0 : c->cap, n1);
+                            o->msg, first >= 0 ? "HEP_WARN_IGNORED" : "HEP_OK", want,
+                            o->ovw[0][0], o->ovw[0][1], o->ovw[0][2], w0[0], w0[1], w0[2],
+                            o->ovw[1][0], o->ovw[1][1], o->ovw[1][2], w1[0], w1[1], w1[2],
+                            o->nrecv[0], o->nrecv[1], n0 < c->cap ? n0 : c->cap, n1);
                 bad++;
             }
         }
@@ -1188,8 +1331,26 @@ static void capacity_met_then_one_short_then_fits_again(void **state)
 {
     tcase *c = new_case();
     (void)state;
-    make_cap_case(c, W_(), T_(), 256, 14u);
+    make_cap_case(c, W_(), T_(), 256, 0, 14u);
     run_case(c, "capacity");
+    free(c);
+}
+
+static void expert_major_capacity_met_then_one_short_then_fits_again(void **state)
+{
+    tcase *c = new_case();
+    (void)state;
+    make_em_cap_case(c, W_(), T_(), 256, 0, 16, 18u);
+    run_case(c, "expert-major, capacity, pad 16");
+    free(c);
+}
+
+static void capacity_met_then_one_short_then_fits_again_fp8(void **state)
+{
+    tcase *c = new_case();
+    (void)state;
+    make_cap_case(c, W_(), T_(), 256, 1, 17u);
+    run_case(c, "capacity, fp8");
     free(c);
 }
 
@@ -1197,7 +1358,7 @@ static void no_sync_past_the_capacity_drops_rows_in_graph_replays_then_fits(void
 {
     tcase *c = new_case();
     (void)state;
-    make_drop_case(c, W_(), T_(), 256, 16u);
+    make_drop_case(c, W_(), T_(), 256, 0, 0, 16u);
     c->graph_replays = 3;
     run_case(c, "no-sync capacity overflow, graph replay x3");
     free(c);
@@ -1257,6 +1418,8 @@ typedef struct {
     int pad, over, probs; /* expert-major */
     unsigned seed;
     const char *label;
+    int cap;  /* rank-major: 1 the capacity sequence, 2 the no-sync drop sequence */
+    int thin; /* cap 2: node 0's experts chosen a third as often (its ranks drop nothing) */
 } nodes_spec;
 
 static const nodes_spec nodes_specs[] = {
@@ -1292,13 +1455,60 @@ static const nodes_spec nodes_specs[] = {
      "int64"},
     {"nodes_2x4_expert_major_probs_through_combine_pad_1_bf16", 2, 4, 0, 0, 1, 0, 1, 0, 1, 49u,
      "2 x 4 nodes, expert-major, probabilities through combine, pad 1, bf16"},
+    {"nodes_2x2_capacity_met_then_one_short_then_fits_again_bf16", 2, 2, 0, 0, 0, 0, 0, 0, 0,
+     51u, "2 x 2 nodes, capacity, bf16", 1, 0},
+    {"nodes_2x2_capacity_met_then_one_short_then_fits_again_fp8_int64", 2, 2, 1, 1, 0, 0, 0, 0,
+     0, 52u, "2 x 2 nodes, capacity, fp8, int64", 1, 0},
+    {"nodes_2x4_capacity_met_then_one_short_then_fits_again_bf16_int64", 2, 4, 0, 1, 0, 0, 0, 0,
+     0, 53u, "2 x 4 nodes, capacity, bf16, int64", 1, 0},
+    {"nodes_2x4_capacity_met_then_one_short_then_fits_again_fp8", 2, 4, 1, 0, 0, 0, 0, 0, 0, 54u,
+     "2 x 4 nodes, capacity, fp8", 1, 0},
+    {"nodes_2x2_expert_major_capacity_met_then_one_short_pad_16_bf16", 2, 2, 0, 0, 1, 0, 16, 0,
+     0, 59u, "2 x 2 nodes, expert-major, capacity, pad 16, bf16", 1, 0},
+    {"nodes_2x4_expert_major_capacity_met_then_one_short_pad_128_fp8_int64", 2, 4, 1, 1, 1, 0,
+     128, 0, 0, 60u, "2 x 4 nodes, expert-major, capacity, pad 128, fp8, int64", 1, 0},
+    {"nodes_2x2_no_sync_past_the_capacity_drops_rows_then_fits_bf16", 2, 2, 0, 0, 0, 0, 0, 0, 0,
+     55u, "2 x 2 nodes, no-sync capacity overflow, bf16", 2, 0},
+    {"nodes_2x4_no_sync_past_the_capacity_drops_rows_then_fits_fp8_int64", 2, 4, 1, 1, 0, 0, 0,
+     0, 0, 56u, "2 x 4 nodes, no-sync capacity overflow, fp8, int64", 2, 0},
+    {"nodes_2x4_no_sync_drop_on_one_node_only_bf16", 2, 4, 0, 0, 0, 0, 0, 0, 0, 57u,
+     "2 x 4 nodes, no-sync capacity overflow on node 1 only, bf16", 2, 1},
+    {"nodes_2x2_no_sync_drop_on_one_node_only_fp8", 2, 2, 1, 0, 0, 0, 0, 0, 0, 58u,
+     "2 x 2 nodes, no-sync capacity overflow on node 1 only, fp8", 2, 1},
 };
 #define N_NODES_SPECS ((int)(sizeof(nodes_specs) / sizeof(nodes_specs[0])))
+
+/* The receive capacity across N x R virtual nodes (handles, probabilities through combine):
+ * cap 1 the capacity sequence (exactly met, one row short: HEP_ERR_OVERFLOW on every rank,
+ * nothing received on the node of the rank over it, then A again), cap 2 the no-sync drop
+ * (the calls themselves with HEP_ASYNC and hep_group_sync: no capture across nodes), then
+ * a blocking call that fits. */
+static void nodes_cap_case(const nodes_spec *p)
+{
+    tcase *c = new_case();
+    const int W = p->N * p->R, T = small_only() ? 24 : 96, H = small_only() ? 128 : 512;
+    if (p->cap == 1 && p->em)
+        make_em_cap_case(c, W, T, H, p->fp8, p->pad, p->seed);
+    else if (p->cap == 1)
+        make_cap_case(c, W, T, H, p->fp8, p->seed);
+    else
+        make_drop_case(c, W, T, H, p->fp8, p->thin ? p->R : 0, p->seed);
+    c->R = p->R;
+    c->cfg.ranks_per_node = p->R;
+    c->idx64 = p->idx64;
+    if (p->thin && (first_over(c, 0, p->R) >= 0 || first_over(c, p->R, W) < 0))
+        fail_msg("%s: node 0 must stay below the capacity %d and node 1 exceed it", p->label,
+                 c->cap);
+    run_case(c, p->label);
+    free(c);
+}
 
 static void nodes_test(void **state)
 {
     const nodes_spec *p = (const nodes_spec *)*state;
-    if (p->em)
+    if (p->cap)
+        nodes_cap_case(p);
+    else if (p->em)
         nodes_em_case(p->N, p->R, p->fp8, p->idx64, p->pad, p->over, p->probs, p->seed, p->label);
     else
         nodes_case(p->N, p->R, p->fp8, p->idx64, p->oneshot, p->seed, p->label);
@@ -1368,6 +1578,8 @@ int main(void)
         cmocka_unit_test(handles_interleaved_reused_and_combined_twice_fp8),
         cmocka_unit_test(handles_with_four_ranks_and_int32_routing),
         cmocka_unit_test(capacity_met_then_one_short_then_fits_again),
+        cmocka_unit_test(capacity_met_then_one_short_then_fits_again_fp8),
+        cmocka_unit_test(expert_major_capacity_met_then_one_short_then_fits_again),
         cmocka_unit_test(no_sync_past_the_capacity_drops_rows_in_graph_replays_then_fits),
         cmocka_unit_test(graph_replays_of_the_no_sync_mode_equal_the_host),
         cmocka_unit_test(expert_major_pad_1_equals_the_host),

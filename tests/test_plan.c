@@ -49,6 +49,38 @@ static void plan_fp8_has_scales(void **state)
     assert_int_equal(p.buf[HEP_BUF_TOKEN_X].bytes, 20 * 256 * 2);
 }
 
+/* The GPU kernels' plan across nodes sizes the receive buffers by config.max_recv_rows as
+ * the host's does (2 x 4, T 64, H 512, E_l 4, FP8: 100 rows of 512 W x T = 512): exactly
+ * those three buffers shrink, by the rows they no longer hold, and nothing else changes. */
+static void plan_gpu_across_nodes_sizes_the_receive_buffers_by_the_capacity(void **state)
+{
+    hep_config c = base(512, 64, 4, 2, HEP_DTYPE_FP8_E4M3);
+    static hep_plan worst, p;
+    (void)state;
+    assert_int_equal(c.backend, HEP_BACKEND_GPU);
+    assert_int_equal(hep_plan_make(&c, 2, 4, &worst), HEP_OK);
+    assert_int_equal(worst.max_recv_rows, 512);
+    c.max_recv_rows = 100;
+    assert_int_equal(hep_plan_make(&c, 2, 4, &p), HEP_OK);
+    assert_int_equal(p.max_recv_rows, 100);
+    assert_int_equal(p.buf[HEP_BUF_TOKEN_X].bytes, 100 * 512 * 2); /* BF16 combine rows */
+    assert_int_equal(p.buf[HEP_BUF_RECV_PROB].bytes, 100 * 4 * 4);
+    assert_int_equal(p.buf[HEP_BUF_RECV_SCALE].bytes, 100 * 4 * 4);
+    for (int i = 0; i < HEP_BUF_COUNT; i++)
+        if (i != HEP_BUF_TOKEN_X && i != HEP_BUF_RECV_PROB && i != HEP_BUF_RECV_SCALE)
+            assert_int_equal(p.buf[i].bytes, worst.buf[i].bytes);
+    assert_true(p.device_bytes < worst.device_bytes);
+    assert_true(worst.device_bytes - p.device_bytes >= (512 - 100) * (512 * 2 + 16 + 16) - 3 * 65536);
+    /* the README's figures: EP64 (8 x 8, T 4096, H 7168, BF16, E_l 4, K 8) at 2 x the mean,
+     * 1.74 GB per rank (4.60 GB without); 4.60 GB at 32 x 8 (the slots keep T rows a node) */
+    c = base(7168, 4096, 4, 8, HEP_DTYPE_BF16);
+    c.max_recv_rows = 62880;
+    assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
+    assert_true(p.device_bytes > 1735000000u && p.device_bytes < 1745000000u);
+    assert_int_equal(hep_plan_make(&c, 32, 8, &p), HEP_OK);
+    assert_true(p.device_bytes > 4595000000u && p.device_bytes < 4605000000u);
+}
+
 /* Issue 15's targets, host backend (rings of chunks): EP64 (8 x 8, T 4096, H 7168, BF16,
  * E_l 4, K 8) <= 1.5 GB per rank at a capacity of twice the uniform mean (62,880 rows),
  * <= 4.0 GB with the defaults, and at that fixed capacity EP256 and EP1024 within 10%. */
@@ -284,6 +316,7 @@ int main(void)
         cmocka_unit_test(plan_buffers_do_not_overlap_unless_aliased),
         cmocka_unit_test(plan_bf16_two_nodes_alias_slots_of_the_same_node),
         cmocka_unit_test(plan_gpu_128_nodes_of_8_ranks),
+        cmocka_unit_test(plan_gpu_across_nodes_sizes_the_receive_buffers_by_the_capacity),
         cmocka_unit_test(plan_expert_major_staging_is_sized_by_max_permuted_rows),
         cmocka_unit_test(plan_refuses_every_invalid_field),
     };

@@ -789,26 +789,39 @@ static void bad_handles_and_options_are_refused_with_reasons(void **s)
  * checks group/ep.c makes for a GPU group; this runs without a GPU): with one node
  * everything; across nodes both layouts with probabilities through combine, the
  * expert-major layout with each node's ranks in one process only: with the ranks in
- * several processes HEP_ERR_UNAVAILABLE naming the option and the node count. */
+ * several processes HEP_ERR_UNAVAILABLE naming the option and the node count; a receive
+ * capacity with both layouts blocking and with the rank-major one in the no-sync mode,
+ * the expert-major one with HEP_ASYNC and a capacity refused naming both. */
 static void gpu_kernels_across_nodes_refuse_each_missing_option_by_name(void **s)
 {
     const char *want;
     (void)s;
-    assert_int_equal(hep_ep_gpu_nodes_check(1, HEP_LAYOUT_EXPERT_MAJOR, 1, 1, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 0, 0, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 1, 0, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 1, 1, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(4, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 0, 1, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(4, HEP_LAYOUT_EXPERT_MAJOR, 1, 0, "hep_dispatch_ex"),
+    assert_int_equal(hep_ep_gpu_nodes_check(1, HEP_LAYOUT_EXPERT_MAJOR, 1, 1, 0, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 0, 0, 0, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 1, 0, 0, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 1, 1, 0, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(4, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, 0, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 0, 1, 0, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(4, HEP_LAYOUT_EXPERT_MAJOR, 1, 0, 0, "hep_dispatch_ex"),
                      HEP_ERR_UNAVAILABLE);
     want = "hep_dispatch_ex: the GPU kernels have the expert-major layout across 4 nodes with "
            "each node's ranks in one process only";
     assert_non_null(strstr(hep_last_error(), want));
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 1, 1, "hep_combine_ex"),
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 1, 1, 0, "hep_combine_ex"),
                      HEP_ERR_UNAVAILABLE);
     assert_non_null(strstr(hep_last_error(), "hep_combine_ex: the GPU kernels have the "
                                              "expert-major layout across 2 nodes"));
+    /* a receive capacity: rank-major in both modes, on any number of nodes; expert-major
+     * across nodes blocking only (HEP_ASYNC: the nodes could not decide it alike) */
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 0, 0, 40, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(128, HEP_LAYOUT_RANK_MAJOR, 0, 1, 40, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(1, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, 40, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, 0, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, 40, "hep_dispatch_ex"),
+                     HEP_ERR_UNAVAILABLE);
+    assert_non_null(strstr(hep_last_error(), "hep_dispatch_ex: with HEP_ASYNC and "
+                                             "config.max_recv_rows = 40, the GPU kernels across 2 "
+                                             "nodes have no expert-major layout"));
 }
 
 /* The GPU backend (one node) takes a caller handle (here with no tokens) and combines

@@ -100,8 +100,8 @@ static void print_advice_text(const advice *a, const hep_config *c, int world)
            a->twice_mean_rows * a->row_bytes, a->dev_twice_mean);
     printf("  %-40s %12lld %16lld %20lld\n", "worst case (W x T, max_recv_rows = 0)",
            a->worst_rows, a->worst_rows * a->row_bytes, a->dev_worst);
-    printf("  (pass one as --max-recv-rows, config.max_recv_rows; the host backend only, for "
-           "now; these totals use --chunk %d)\n",
+    printf("  (pass one as --max-recv-rows, config.max_recv_rows: both backends, any number of "
+           "nodes; these totals use --chunk %d)\n",
            c->chunk_tokens);
 }
 

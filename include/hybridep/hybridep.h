@@ -75,8 +75,11 @@ typedef struct hep_config {
                              are sized by it). 0 (default) = W x T, the worst case (every token
                              of every rank routed to one rank), which never overflows; else
                              1..W x T. Blocking mode: a dispatch that needs more rows on
-                             any rank writes nothing into any rank's receive buffers and
-                             fails on every rank with HEP_ERR_OVERFLOW. HEP_ASYNC (no host
+                             any rank writes nothing into any rank's receive buffers (GPU
+                             across nodes: nothing on the nodes of the ranks over it; the
+                             other nodes' ranks may have received rows below the capacity,
+                             which are void) and fails on every rank with HEP_ERR_OVERFLOW;
+                             no row is ever written at or past the capacity. HEP_ASYNC (no host
                              round trip, so also in graph capture), rank-major layout: rows
                              are dropped instead, by the rule of the expert-major budget:
                              every rank keeps the rows whose position in its receive order
@@ -93,10 +96,16 @@ typedef struct hep_config {
                              both modes (HEP_ERR_OVERFLOW; with HEP_ASYNC on the GPU at
                              hep_group_sync, and a combine of it does nothing). The group
                              stays usable either way. `hybridep plan` prints what uniform
-                             routing needs. GPU backend: one node (the layout step sees
-                             every rank's rows in the counts it exchanges); across nodes
-                             group creation refuses a non-zero value with
-                             HEP_ERR_UNAVAILABLE. */
+                             routing needs. GPU backend, any number of nodes: each node's
+                             layout step sees its ranks' rows of every list (own tokens,
+                             every other node's slot); across nodes the blocking call then
+                             agrees through the bootstrap (one allgather per dispatch).
+                             Across nodes with HEP_ASYNC each node decides alone:
+                             overflow_device[HEP_OVERFLOW_DROPPED] and hep_group_sync's
+                             HEP_WARN_IGNORED are those of the ranks of this node (the
+                             rows kept, counts and combine are the host backend's), and
+                             the expert-major layout with HEP_ASYNC and a capacity is
+                             refused (HEP_ERR_UNAVAILABLE). */
     int max_permuted_rows; /* GPU backend, one node, the node's ranks in several processes
                              (one process per GPU, torchrun): the rows of the group-owned
                              expert-major staging (expert_major.token, .prob, .scaling_factor
@@ -210,7 +219,9 @@ typedef struct hep_dispatch_result {
                                  them (GPU: device memory, valid once the stream passed this
                                  dispatch, also in graph replays; host backend: host memory):
                                  [HEP_OVERFLOW_DROPPED] 1 if this call dropped rows on any rank
-                                 (HEP_ASYNC past config.max_recv_rows; the same on every rank),
+                                 (HEP_ASYNC past config.max_recv_rows; the same on every rank;
+                                 GPU across nodes: on any rank of this node), or (blocking)
+                                 the call overflowed,
                                  [HEP_OVERFLOW_NEEDED] the rows this rank needed,
                                  [HEP_OVERFLOW_ROWS] the rows it dropped (needed - kept) */
 } hep_dispatch_result;

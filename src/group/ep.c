@@ -62,12 +62,6 @@ int hep_ep_setup(hep_group *g)
         return start_proxy(g);
     }
     g->ops = &hep_gpu_backend;
-    if (g->N > 1 && g->cfg.max_recv_rows)
-        return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "config.max_recv_rows = %d: the GPU kernels check a receive capacity with "
-                        "one node only, not across %d nodes (use 0, the worst case, or the host "
-                        "backend)",
-                        g->cfg.max_recv_rows, g->N);
     if (g->R > HEP_GPU_MAX_LOCAL)
         return hep_fail(HEP_ERR_INVALID, "the GPU kernels support up to %d ranks per node, not %d",
                         HEP_GPU_MAX_LOCAL, g->R);
@@ -100,11 +94,22 @@ void hep_ep_teardown(hep_group *g)
     g->be.own_handle = NULL;
 }
 
-int hep_ep_gpu_nodes_check(int N, int layout, int procs, int probs, const char *call)
+int hep_ep_gpu_nodes_check(int N, int layout, int procs, int probs, int async_cap,
+                           const char *call)
 {
     (void)probs; /* probabilities through combine: both layouts, every node count */
     if (N <= 1 || layout != HEP_LAYOUT_EXPERT_MAJOR)
-        return HEP_OK; /* rank-major: caller handles, probabilities, every node count */
+        return HEP_OK; /* rank-major: caller handles, probabilities, a receive capacity in
+                          both modes, every node count */
+    if (async_cap) /* each node decides alone: a void layout on some nodes only would leave
+                      the others' combine waiting for partial sums that never come */
+        return hep_fail(HEP_ERR_UNAVAILABLE,
+                        "%s: with HEP_ASYNC and config.max_recv_rows = %d, the GPU kernels "
+                        "across %d nodes have no expert-major layout (it is all or nothing, and "
+                        "without the host's agreement the nodes cannot decide it alike): "
+                        "dispatch without HEP_ASYNC, or use the rank-major layout (which drops "
+                        "rows past the capacity)",
+                        call, async_cap, N);
     if (procs)
         return hep_fail(HEP_ERR_UNAVAILABLE,
                         "%s: the GPU kernels have the expert-major layout across %d nodes with "
@@ -241,7 +246,9 @@ static int check_dispatch_opts(hep_group *g, const hep_dispatch_args *a, const h
                         "recv_tokens, recv_probs%s must be given",
                         fp8 ? " and recv_scales (FP8)" : "");
     if (g->cfg.backend == HEP_BACKEND_GPU &&
-        (rc = hep_ep_gpu_nodes_check(g->N, layout, !g->mates_one_process, 0, "hep_dispatch_ex")))
+        (rc = hep_ep_gpu_nodes_check(g->N, layout, !g->mates_one_process, 0,
+                                     (a->flags & HEP_ASYNC) ? g->cfg.max_recv_rows : 0,
+                                     "hep_dispatch_ex")))
         return rc;
     if (g->cfg.backend == HEP_BACKEND_GPU && layout == HEP_LAYOUT_EXPERT_MAJOR && !x->handle)
         return hep_fail(HEP_ERR_UNAVAILABLE,
@@ -358,7 +365,7 @@ int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_op
         return rc;
     if (g->cfg.backend == HEP_BACKEND_GPU &&
         (rc = hep_ep_gpu_nodes_check(g->N, h->layout, !g->mates_one_process,
-                                     c->probs_in != NULL, "hep_combine_ex")))
+                                     c->probs_in != NULL, 0, "hep_combine_ex")))
         return rc;
     if (c->probs_out && h->t > 0 && (rc = check_ptr(c->probs_out, 4, "hep_combine_ex: probs_out")))
         return rc;

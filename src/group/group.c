@@ -521,14 +521,6 @@ int hep_group_create_ex(const hep_config *cfg, const hep_bootstrap *bs, int cuda
 
     /* 1. every rank's configuration and identity, checked together */
     rc = cfg ? hep_config_check(cfg, g->world) : hep_fail(HEP_ERR_INVALID, "config is NULL");
-    /* known before any device is touched when the node size is given (else hep_ep_setup) */
-    if (rc == HEP_OK && cfg->backend == HEP_BACKEND_GPU && cfg->max_recv_rows &&
-        cfg->ranks_per_node > 0 && g->world / cfg->ranks_per_node > 1)
-        rc = hep_fail(HEP_ERR_UNAVAILABLE,
-                      "config.max_recv_rows = %d: the GPU kernels check a receive capacity with "
-                      "one node only, not across %d nodes (use 0, the worst case, or the host "
-                      "backend)",
-                      cfg->max_recv_rows, g->world / cfg->ranks_per_node);
     if (rc == HEP_OK)
         rc = fill_card(g, &mine);
     else

@@ -49,10 +49,13 @@ void hep_ep_fill_stats(const hep_group *g, hep_group_stats *s);
 /* What the GPU kernels take across N nodes, for one call of `call` (its name in the
  * message): the layout (hep_layout: both; expert-major with each node's ranks in one
  * process only), whether the node's ranks are in several processes, and whether
- * probabilities come back through combine (taken with both layouts). Caller handles are
- * taken with every layout. 0 (also for N = 1), or HEP_ERR_UNAVAILABLE naming the option.
+ * probabilities come back through combine (taken with both layouts), and async_cap: the
+ * receive capacity (config.max_recv_rows) of a HEP_ASYNC dispatch, or 0 (the rank-major
+ * layout drops rows past it; the expert-major one is refused). Caller handles are taken with
+ * every layout. 0 (also for N = 1), or HEP_ERR_UNAVAILABLE naming the option.
  * Needs no GPU (tests/test_train.c). */
-int hep_ep_gpu_nodes_check(int N, int layout, int procs, int probs, const char *call);
+int hep_ep_gpu_nodes_check(int N, int layout, int procs, int probs, int async_cap,
+                           const char *call);
 /* group/handle.c */
 struct hep_handle *hep_handle_alloc(const hep_group *g);
 /* 0 if h was created by g and (filled) holds a layout, else HEP_ERR_INVALID naming why. */

@@ -476,6 +476,82 @@ static int em_report(hep_backend_ctx *g, hep_handle *h, hep_dispatch_opts *x,
     return HEP_OK;
 }
 
+/* N > 1, blocking, after the stream and the batch finished (rc: this rank's status): a
+ * node's kernels decide the receive capacity from its own ranks' rows only (the rows of all
+ * N lists: its own tokens and every slot), and a node whose rank needs more pushed no row
+ * at all, while the other nodes received theirs (below the capacity). So every rank's
+ * overflow word and needed rows reach every rank through the bootstrap's allgather (one per
+ * dispatch, only with a capacity), and if any rank needs more than the capacity every rank
+ * returns HEP_ERR_OVERFLOW naming the first such rank, as the host backend does, with its
+ * layout void (overflow word 1, no rows, no tokens per expert). Returns the call's status. */
+static int agree_capacity(hep_backend_ctx *g, void *stream, int rc)
+{
+    hep_kargs *k = g->kargs;
+    const int W = g->world, El = g->cfg->experts_per_rank, cap = g->cfg->max_recv_rows;
+    int mine[2] = {-1, -1}, *all, first = -1, over = 0, arc;
+    cudaError_t e = cudaMemcpyAsync(&mine[0], k->over, sizeof(int), cudaMemcpyDeviceToHost,
+                                    (cudaStream_t)stream);
+    if (e == cudaSuccess)
+        e = cudaMemcpyAsync(&mine[1], k->ovf + HEP_OVERFLOW_NEEDED, sizeof(int),
+                            cudaMemcpyDeviceToHost, (cudaStream_t)stream);
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize((cudaStream_t)stream);
+    if (e != cudaSuccess) { /* still meet the others: they wait in the allgather */
+        (void)cudaGetLastError();
+        mine[0] = mine[1] = -1;
+    }
+    all = malloc(sizeof(mine) * (size_t)W);
+    if (!all)
+        return hep_fail(HEP_ERR_NOMEM, "dispatch: out of memory");
+    arc = g->bs->allgather(g->bs->ctx, mine, all, sizeof(mine));
+    if (arc) {
+        free(all);
+        snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", hep_last_error());
+        g->broken = 1;
+        return arc;
+    }
+    for (int r = 0; r < W; r++)
+        if (all[2 * r + 1] > cap) {
+            first = first < 0 ? r : first;
+            over++;
+        }
+    if (first >= 0 && rc != HEP_ERR_OVERFLOW && rc != HEP_OK && rc != HEP_WARN_IGNORED) {
+        free(all);
+        return rc; /* this rank's own failure (a timeout, CUDA) stands */
+    }
+    if (first < 0) {
+        free(all);
+        return e != cudaSuccess ? cuda_status(e, "dispatch: reading the overflow words") : rc;
+    }
+    {
+        const int one = 1, need = all[2 * first + 1];
+        int *hc = k->host_counts; /* mapped host memory; the kernels are done */
+        free(all);
+        /* every rank's layout void, as a node's that overflowed (its words say so already) */
+        e = cudaMemcpyAsync(k->over, &one, sizeof(int), cudaMemcpyHostToDevice, (cudaStream_t)stream);
+        if (e == cudaSuccess)
+            e = cudaMemcpyAsync(k->ovf + HEP_OVERFLOW_DROPPED, &one, sizeof(int),
+                                cudaMemcpyHostToDevice, (cudaStream_t)stream);
+        if (e == cudaSuccess)
+            e = cudaMemsetAsync(k->recv_count, 0, sizeof(int), (cudaStream_t)stream);
+        if (e == cudaSuccess)
+            e = cudaMemsetAsync(k->tokens_per_expert, 0, sizeof(int) * (size_t)El,
+                                (cudaStream_t)stream);
+        if (e == cudaSuccess)
+            e = cudaStreamSynchronize((cudaStream_t)stream);
+        if (e != cudaSuccess)
+            return cuda_status(e, "dispatch: voiding the layout after a receive overflow");
+        for (int j = 0; j <= El; j++)
+            hc[j] = 0;
+        return hep_fail(HEP_ERR_OVERFLOW,
+                        "dispatch: rank %d needs %d receive rows, more than config.max_recv_rows "
+                        "= %d (%d rank(s) over, agreed across %d nodes); no rank received a row "
+                        "past the capacity (the nodes of the ranks over it received none), the "
+                        "call's outputs are void on every rank and the group stays usable",
+                        first, need, cap, over, g->N);
+    }
+}
+
 /* The GPU dispatch. x: the options (NULL: none); h: the caller handle to record into or,
  * with HEP_REUSE_LAYOUT, to read (NULL: the one-shot layout in the group's buffers). */
 static int gpu_dispatch(hep_backend_ctx *g, const hep_dispatch_args *a, hep_dispatch_opts *x,
@@ -557,6 +633,8 @@ static int gpu_dispatch(hep_backend_ctx *g, const hep_dispatch_args *a, hep_disp
     fill_result(g, o);
     o->handle = g->last_handle;
     rc = finish(g, a->stream, a->flags, "dispatch");
+    if (g->N > 1 && k->cap && !(a->flags & HEP_ASYNC))
+        rc = agree_capacity(g, a->stream, rc);
     if (rc == HEP_ERR_OVERFLOW) { /* no layout: no combine, no reuse */
         g->last_handle = 0;
         g->x_epoch = 0;

@@ -280,9 +280,10 @@ __device__ __forceinline__ void node_probs(const hep_kargs &a, int L, int i, flo
     for (int j = lane; j < R * El; j += 32) {
         const int d = j / El;
         const int pos = a.dest_rows[((size_t)L * a.T + i) * R + d];
-        row[j] = pos < 0 ? 0.f
-                         : __ldcg(a.prob[d] + (size_t)(ld_l2(a.meta + L * R + d) + pos) * El +
-                                  j % El);
+        const int r = pos < 0 ? -1 : ld_l2(a.meta + L * R + d) + pos;
+        /* a row at or past the capacity was dropped at dispatch (HEP_ASYNC): 0, as there */
+        row[j] = r < 0 || (a.cap && r >= a.cap) ? 0.f
+                                                : __ldcg(a.prob[d] + (size_t)r * El + j % El);
     }
 }
 

@@ -211,19 +211,21 @@ __device__ __forceinline__ void arrive_all(const hep_kargs &a, unsigned long lon
 }
 
 // Block 0, after arrive_all, when this rank's rows went past the capacity with a.drop:
-// every source took its dropped rows' experts off its published counts before it arrived,
-// so their sum is now what was kept per local expert.
+// every source (each node-mate, for each of the N lists it forwards) took its dropped
+// rows' experts off its published counts of that list before it arrived, so their sum over
+// the sources of every list is now what was kept per local expert.
 __device__ void drop_recount(const hep_kargs &a, unsigned long long e, const layout_smem &s)
 {
-    const int R = a.R, El = a.El;
+    const int R = a.R, El = a.El, NR = a.N * R;
     const size_t LW = (size_t)R * (El + 1), par = (size_t)(e & 1) * a.N * LW;
     __syncthreads(); /* the arrivals that threads tid < R acquired, for every thread */
     if (!a.drop || s.tot[a.local] <= a.cap)
         return;
     for (int j = threadIdx.x; j < El; j += blockDim.x) {
         int c = 0;
-        for (int q = 0; q < R; q++)
-            c += ld_l2(a.counts[q] + par + (size_t)a.node * LW + (size_t)a.local * (El + 1) + 1 + j);
+        for (int q = 0; q < NR; q++) /* source (list q / R, local rank q % R) */
+            c += ld_l2(a.counts[q % R] + par + (size_t)(q / R) * LW + (size_t)a.local * (El + 1) +
+                       1 + j);
         a.tokens_per_expert[j] = c;
         a.host_counts[1 + j] = c;
     }
@@ -334,8 +336,10 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
 
     // 3. push the own tokens (while the other nodes' rows may still travel), then theirs;
     // nothing when the layout exceeded the receive capacity (every rank decided the same)
+    // (across nodes: when a rank of this node needs more rows, summed over all N lists;
+    // every slot is still waited for, scanned and consumed, so that every sender finishes)
     const bool over = a.cap && ld_l2(a.over);
-    if (EM) { /* across nodes (no receive capacity there: over is 0), then the slots */
+    if (EM) { /* then the slots */
         if (!over)
             em_push(a, s, s_x, s_prob, s_scale);
         if (N > 1) {
@@ -343,7 +347,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
                 return;
             if (b == 0 && tid < N - 1) /* the layout keeps them for its combines */
                 a.slot_rows[tid] = (int)ld_relaxed(a.slot_words + tid);
-            if (!em_push_slots(a, e, s, s_x, s_prob, s_scale))
+            if (!em_push_slots(a, e, s, s_x, s_prob, s_scale, !over))
                 return;
         }
         arrive_all(a, e);
@@ -368,7 +372,9 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
                 continue;
             const lview v = list_of(a, L);
             rebase_list(a, L, v.t, s);
-            push_list(a, v, L, s_x, s_prob, s_scale);
+            if (!over) /* drops as the own tokens do, off this rank's counts of list L */
+                push_list(a, v, L, s_x, s_prob, s_scale,
+                          a.drop ? mine + (size_t)L * R * (a.El + 1) : NULL);
         }
     }
     arrive_all(a, e);

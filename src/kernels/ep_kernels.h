@@ -20,13 +20,16 @@
  *    block 0 only publishes COUNTS_READY = e and waits for every node-mate's (the barrier
  *    that says every node-mate finished its calls before e, so that nobody still reads the
  *    buffers this call writes). With a receive capacity (a.cap), block 0 knows every
- *    destination's rows from the counts: if one exceeds it, no block pushes any row
- *    (every rank decides the same from the same counts), the layout's overflow word is 1,
- *    and the diag record names the rank. With a.drop (HEP_ASYNC) the layout
+ *    destination's rows from the counts (across nodes: of all N lists): if one exceeds
+ *    it, no block pushes any row of any list (every rank of the node decides the same from
+ *    the same counts; slots are still waited for and consumed), the layout's overflow word
+ *    is 1, and the diag record names the rank; across nodes the blocking call's host side
+ *    agrees with the other nodes through the bootstrap. With a.drop (HEP_ASYNC) the layout
  *    stands instead: rows whose position at a destination is at or past the capacity are
  *    not written, their source takes each of their local experts off its published count
- *    (before its arrival), and the destination, once every source arrived, sums the counts
- *    again into its tokens per expert; the overflow words (a.ovf) say so.
+ *    of that list (before its arrival), and the destination, once every source arrived,
+ *    sums the counts of every list again into its tokens per expert; the overflow words
+ *    (a.ovf) say so.
  *  combine (S blocks), call c (combines have their own count, c = *cepoch + 1: a handle
  *    can be combined more than once, or two handles one after the other): the copy of the
  *    caller's expert outputs into X first waits until every node-mate finished combine

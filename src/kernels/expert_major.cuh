@@ -338,10 +338,11 @@ static __device__ void em_push(const hep_kargs &a, const layout_smem &s, char **
 // N > 1, every block after em_push, once the other nodes' slots arrived (wait_slots): the
 // block's pairs of each slot placed and its counts saved (ebc of that list); one more grid
 // barrier (every block's counts are in); then each slot's places made rows and its tokens
-// pushed. false when a wait gave up.
+// pushed (unless !push: this node's layout exceeded the receive capacity, and the slots are
+// only consumed). false when a wait gave up.
 static __device__ bool em_push_slots(const hep_kargs &a, unsigned long long e, const layout_smem &s,
                                      char *const *s_x, float *const *s_prob,
-                                     float *const *s_scale)
+                                     float *const *s_scale, bool push)
 {
     const int RE = a.R * a.El, tid = threadIdx.x;
     for (int L = 0; L < a.N; L++) {
@@ -364,7 +365,7 @@ static __device__ bool em_push_slots(const hep_kargs &a, unsigned long long e, c
         em_finalize(a, s, v, L);
         block_range(v.t, blockIdx.x, gridDim.x, t0, t1);
         warp_range(t0, t1, tid >> 5, blockDim.x >> 5, w0, w1);
-        for (int i = w0; i < w1; i++)
+        for (int i = w0; push && i < w1; i++)
             em_push_token(a, v, L, i, s_x, s_prob, s_scale);
     }
     bulk_wait_all();

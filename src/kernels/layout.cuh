@@ -240,10 +240,12 @@ static __device__ bool layout_publish(const hep_kargs &a, unsigned long long e, 
     for (int j = tid; j < N * (int)LW; j += blockDim.x)
         a.counts[a.local][(size_t)((e + 1) & 1) * N * LW + j] = 0;
     __syncthreads();
-    // The receive capacity: every rank sees every destination's rows in the same counts,
-    // so every rank takes the same decision; the first destination over it is named.
-    // Blocking: nothing is received anywhere. a.drop: the rows below it are (push_token
-    // drops the others; tokens per expert are summed again once the sources arrived).
+    // The receive capacity: every rank of the node sees every destination's rows (of all N
+    // lists: its own tokens and every slot) in the same counts, so every rank of the node
+    // takes the same decision; the first destination over it is named. Blocking: nothing
+    // is received on this node (across nodes the host then agrees with the other nodes,
+    // backend_gpu.c). a.drop: the rows below it are (push_token drops the others, in every
+    // list; tokens per expert are summed again once the sources arrived).
     int over = -1;
     if (a.cap)
         for (int d = 0; d < R; d++)
