@@ -371,7 +371,9 @@ static int m_set(const mem *m, void *dst, int v, size_t n)
         memset(dst, v, n);
         return 0;
     }
-    return cudaMemset(dst, v, n) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess;
+    /* the legacy stream only: at setup a node-mate's first dispatch may already spin on the
+     * device waiting for this rank, so a device-wide synchronization would wait for it */
+    return cudaMemset(dst, v, n) != cudaSuccess || cudaStreamSynchronize(0) != cudaSuccess;
 }
 
 /* The guard bytes after the rows of rtok/rprob/rscale of every step: the first one changed
