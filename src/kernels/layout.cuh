@@ -52,7 +52,8 @@ __device__ __forceinline__ layout_smem layout_smem_at(int *sm, int R, int El)
     return s;
 }
 
-#ifdef HEP_SCAN_KEYS
+// The first invalid routing id of the call (token i, slot k, value x), for the host's
+// message. Not inlined: it is never on the scan's path.
 static __device__ __noinline__ void record_bad_id(hep_diag *diag, int i, int k, long long x)
 {
     if (atomicCAS(&diag->invalid_claimed, 0u, 1u) == 0u) {
@@ -61,7 +62,6 @@ static __device__ __noinline__ void record_bad_id(hep_diag *diag, int i, int k, 
         diag->bad_value = x;
     }
 }
-#endif
 
 // Block b's positions among its tokens of list L at each destination (dest_rows, made
 // rank-wide by rebase) and its totals (block_counts); with `count`, the list's
@@ -83,10 +83,11 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
     for (int tile = t0; tile < t1; tile += blockDim.x) {
         const int i = tile + tid;
         unsigned mask = 0;
-#ifdef HEP_SCAN_KEYS
-        // Tuning variant: with K <= 8 a token's ids are loaded together (no atomic between
+        // With K <= 8 (own tokens) a token's ids are loaded together (no atomic between
         // them) and kept as keys d * El + e at this node, so the duplicate check compares
-        // registers instead of reloading the earlier ids after each atomic.
+        // registers instead of reloading the earlier ids after each count's atomic
+        // (bench/NOTES.md, session 6: the scan 10.5k -> 7.4k cycles). Larger K takes the
+        // loop below (unrolled for every K, the code grew by 20-53 KB and was slower).
         if (v.K <= 8 && !v.slot) {
             int key[8];
 #pragma unroll
@@ -112,19 +113,13 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
                         atomicAdd(&s.cnt[key[k]], 1);
                 }
             }
-        } else
-#endif
-        if (i < t1) {
+        } else if (i < t1) {
             for (int k = 0; k < v.K; k++) {
                 long long x = list_id(a, v, i, k);
                 if (x == -1)
                     continue;
                 if (x < -1 || x >= E) { /* own tokens only: slots carry -1 instead */
-                    if (atomicCAS(&a.diag->invalid_claimed, 0u, 1u) == 0u) {
-                        a.diag->bad_token = i;
-                        a.diag->bad_slot = k;
-                        a.diag->bad_value = x;
-                    }
+                    record_bad_id(a.diag, i, k, x);
                     continue;
                 }
                 if (x < first || x >= first + (long long)R * El)
