@@ -214,12 +214,14 @@ __device__ __forceinline__ void arrive_all(const hep_kargs &a, unsigned long lon
 // every source (each node-mate, for each of the N lists it forwards) took its dropped
 // rows' experts off its published counts of that list before it arrived, so their sum over
 // the sources of every list is now what was kept per local expert.
-__device__ void drop_recount(const hep_kargs &a, unsigned long long e, const layout_smem &s)
+__device__ void drop_recount(const hep_kargs &a, unsigned long long e)
 {
     const int R = a.R, El = a.El, NR = a.N * R;
     const size_t LW = (size_t)R * (El + 1), par = (size_t)(e & 1) * a.N * LW;
     __syncthreads(); /* the arrivals that threads tid < R acquired, for every thread */
-    if (!a.drop || s.tot[a.local] <= a.cap)
+    /* the rows this rank dropped, as its layout step wrote them (s.tot holds the last
+     * slot list's block totals by now, N > 1: rebase_list reuses it) */
+    if (!a.drop || a.ovf[2] == 0)
         return;
     for (int j = threadIdx.x; j < El; j += blockDim.x) {
         int c = 0;
@@ -379,7 +381,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     }
     arrive_all(a, e);
     if (b == 0)
-        drop_recount(a, e, s);
+        drop_recount(a, e);
 #ifdef HEP_LAYOUT_TRACE
     if (b == 0 && tid == 0) {
         const long long *tr = hep_ltrace[(a.rank0 + a.local) & 63], c0 = tr[0], end = clock64();
