@@ -58,6 +58,7 @@ static int small_only(void)
 typedef struct gpu_opts {
     int graph; /* capture dispatch + combine into a graph and replay `replays` times */
     int replays;
+    int ranks_per_gpu; /* 0: every rank on GPU 0; else rank r on GPU r / ranks_per_gpu */
 } gpu_opts;
 static gpu_opts g_opts;
 
@@ -94,8 +95,9 @@ static int run_rank_gpu(rank_ctx *rc)
     uint16_t *eager = NULL; /* the last eager call's combine output: every replay must equal it */
     int eager_recv = -1, replay_bad = 0;
 
-    CK(cudaSetDevice(0));
-    rc0 = hep_group_create(&c->cfg, &rc->bs, 0, &g);
+    const int dev = g_opts.ranks_per_gpu ? rc->rank / g_opts.ranks_per_gpu : 0;
+    CK(cudaSetDevice(dev));
+    rc0 = hep_group_create(&c->cfg, &rc->bs, dev, &g);
     if (rc0) {
         o->rc_dispatch = rc0;
         snprintf(o->err, sizeof(o->err), "create: %s", hep_last_error());
@@ -327,7 +329,12 @@ static void gpu_case(int N, int R, hep_dtype dt, int skew, int index64, int zero
     char label[160];
     memset(&c, 0, sizeof(c));
     c.cfg = gcfg(H, T, 4, 8, dt, R);
-    c.cfg.dispatch_sms = c.cfg.combine_sms = 128 / (N * R) > 16 ? 16 : 128 / (N * R);
+    if (g_opts.ranks_per_gpu) { /* ranks spread over GPUs: SMs left for the NICs' copies */
+        const int on_gpu = N * R < g_opts.ranks_per_gpu ? N * R : g_opts.ranks_per_gpu;
+        c.cfg.dispatch_sms = c.cfg.combine_sms = 96 / on_gpu > 16 ? 16 : 96 / on_gpu;
+    } else {
+        c.cfg.dispatch_sms = c.cfg.combine_sms = 128 / (N * R) > 16 ? 16 : 128 / (N * R);
+    }
     c.world = N * R;
     c.K = 8;
     c.index64 = index64;
@@ -406,6 +413,65 @@ static void gpu_virtual_nodes_match_host_backend_over_loopback_nic_with_dmabuf(v
     }
     unsetenv("HEP_GPU_MR_MODE");
     hep_env_reload();
+}
+
+/* More nodes than a warp has lanes (the kernels take nodes in words of 32), small shapes
+ * (H 256, T 16), every output against the host backend and the oracle: 40 x 1 has a partial
+ * second word, 34 x 2 node-mates beside it, 64 x 1 two full words, 128 x 1 the limit
+ * (HEP_MAX_NODES_GPU). Every virtual rank is a thread with its own stream and its loopback
+ * NIC's stream, and a GPU has 32 hardware queues (CUDA_DEVICE_MAX_CONNECTIONS at most 32):
+ * past 16 co-dependent ranks on one GPU two streams share a queue and a kernel can wait
+ * behind one that waits for it. So the ranks are spread, 16 to a GPU (node-mates on one),
+ * and a case runs only where the machine has the GPUs it needs. */
+static void gpu_many_nodes_beyond_one_warp_match_host_backend(void **state)
+{
+    static const struct {
+        int N, R, skew, index64, tmode;
+        hep_dtype dt;
+    } cases[] = {
+        {40, 1, EP_ROUTE_NODES, 0, -1, HEP_DTYPE_BF16},
+        {34, 2, EP_ROUTE_NODES, 1, 1, HEP_DTYPE_BF16},
+        {64, 1, 0, 0, 1, HEP_DTYPE_FP8_E4M3},
+        {128, 1, 0, 1, -1, HEP_DTYPE_BF16},
+    };
+    const int per_gpu = 16;
+    unsigned seed = fresh_seed() ^ 0x2545f491u;
+    int ngpu = 0, ran = 0;
+    (void)state;
+    if (!have_gpu())
+        skip();
+    if (small_only()) {
+        print_message("skipped: 40 to 128 virtual ranks with their proxies are too slow under "
+                      "compute-sanitizer (HEP_GPU_TEST_SMALL=1)\n");
+        skip();
+    }
+    if (cudaGetDeviceCount(&ngpu) != cudaSuccess)
+        ngpu = 0;
+    print_message("fresh seed %u, %d GPU(s)\n", seed, ngpu);
+    assert_int_equal(HEP_MAX_NODES_GPU, 128);
+    setenv("HEP_GPU_MR_MODE", "dmabuf", 1);
+    hep_env_reload();
+    g_opts.ranks_per_gpu = per_gpu;
+    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+        const int W = cases[k].N * cases[k].R, need = (W + per_gpu - 1) / per_gpu;
+        assert_true(cases[k].N > 32 && W <= EP_MAX_RANKS && per_gpu % cases[k].R == 0);
+        if (need > ngpu) {
+            print_message("%d nodes x %d: not run: %d virtual ranks need %d GPUs (%d a GPU), "
+                          "this machine has %d\n", cases[k].N, cases[k].R, W, need, per_gpu,
+                          ngpu);
+            continue;
+        }
+        gpu_case(cases[k].N, cases[k].R, cases[k].dt, cases[k].skew, cases[k].index64, 0,
+                 cases[k].tmode, seed + (unsigned)k, 256, 16);
+        ran++;
+    }
+    g_opts.ranks_per_gpu = 0;
+    unsetenv("HEP_GPU_MR_MODE");
+    hep_env_reload();
+    if (!ran) {
+        print_message("skipped: no case fits this machine's %d GPU(s)\n", ngpu);
+        skip();
+    }
 }
 
 static void gpu_graph_replay_gives_the_eager_results(void **state)
@@ -951,6 +1017,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(gpu_kernels_match_host_backend_across_ranks_dtypes_and_routing),
         cmocka_unit_test(gpu_virtual_nodes_match_host_backend_over_loopback_nic_with_dmabuf),
+        cmocka_unit_test(gpu_many_nodes_beyond_one_warp_match_host_backend),
         cmocka_unit_test(gpu_graph_replay_gives_the_eager_results),
         cmocka_unit_test(gpu_dispatch_times_out_naming_the_rank_that_never_called),
         cmocka_unit_test(gpu_virtual_nodes_time_out_naming_the_missing_rank_on_every_rank),
