@@ -182,11 +182,12 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
 {
     const int lane = threadIdx.x & 31;
     const int mybase = lane < a.R ? ld_l2(a.meta + L * a.R + lane) : 0;
-    int t0, t1, w0, w1;
+    int t0, t1;
     block_range(v.t, blockIdx.x, gridDim.x, t0, t1);
 #ifdef HEP_STRIDED_TOKENS
     for (int i = t0 + (threadIdx.x >> 5); i < t1; i += blockDim.x >> 5)
 #else
+    int w0, w1;
     warp_range(t0, t1, threadIdx.x >> 5, blockDim.x >> 5, w0, w1);
     for (int i = w0; i < w1; i++)
 #endif
