@@ -1,0 +1,21 @@
+#!/bin/sh
+# The kernel tuning variants of bench/NOTES.md (HEP_KERNEL_DEFS, bench/gpu_variants.sh) still
+# compile, warnings as errors, so an A/B on the GPU machine never starts with a broken build.
+# Usage: kernel_variants.sh NVCC SOURCE_DIR
+set -u
+nvcc=$1 src=$2
+tmp=$(mktemp -d) || exit 1
+trap 'rm -rf "$tmp"' EXIT
+fail=0
+for v in "dispatch.cu HEP_STRIDED_TOKENS" "dispatch.cu HEP_BULK_STORES" \
+         "dispatch.cu HEP_STREAMING_STORES" "dispatch.cu HEP_LAYOUT_TRACE" "dispatch.cu DU=8" \
+         "combine.cu HEP_STATIC_TOKENS" "combine.cu HEP_STREAMING_LOADS"; do
+  set -- $v
+  if "$nvcc" -arch=sm_90 -O3 -std=c++17 -I"$src/src" -I"$src/include" -cubin -D"$2" \
+      --Werror all-warnings -o "$tmp/k.cubin" "$src/src/kernels/$1" > "$tmp/log" 2>&1; then
+    echo "ok: $1 -D$2"
+  else
+    echo "FAILED: $1 -D$2"; cat "$tmp/log"; fail=1
+  fi
+done
+exit $fail
