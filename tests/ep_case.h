@@ -57,6 +57,23 @@ void ep_case_free(ep_case *c);
  * 1: two thirds of the slots on rank 0; EP_ROUTE_NODES: token i's experts are all on its
  * own node (i % 3 == 0), on every node (slot k on node k % N; 1), or anywhere (2). */
 #define EP_ROUTE_NODES 2
+
+/* More nodes than a warp has lanes (the GPU kernels take nodes in words of 32), small shapes
+ * (H 256, T 16, E_l 4, K 8): 40 x 1 has a partial second word, 34 x 2 node-mates beside it,
+ * 64 x 1 two full words, 128 x 1 the limit. Routing by node and uniform; t_is_T: every rank
+ * has T tokens, else a random t. The host backend runs them in CI (test_host_backend), the
+ * GPU kernels where the machine has GPUs enough (test_gpu_ep). */
+typedef struct ep_many_nodes_case {
+    int N, R, skew, index64, t_is_T;
+    hep_dtype dt;
+} ep_many_nodes_case;
+static const ep_many_nodes_case ep_many_nodes_cases[] = {
+    {40, 1, EP_ROUTE_NODES, 0, 0, HEP_DTYPE_BF16},
+    {34, 2, EP_ROUTE_NODES, 1, 1, HEP_DTYPE_BF16},
+    {64, 1, 0, 0, 1, HEP_DTYPE_FP8_E4M3},
+    {128, 1, 0, 1, 0, HEP_DTYPE_BF16},
+};
+#define EP_MANY_NODES_CASES (sizeof(ep_many_nodes_cases) / sizeof(ep_many_nodes_cases[0]))
 void ep_case_random(ep_case *c, unsigned seed, int skew);
 /* Checks every rank against the global oracle; returns the number of mismatches and
  * prints the first few. */

@@ -415,25 +415,14 @@ static void gpu_virtual_nodes_match_host_backend_over_loopback_nic_with_dmabuf(v
     hep_env_reload();
 }
 
-/* More nodes than a warp has lanes (the kernels take nodes in words of 32), small shapes
- * (H 256, T 16), every output against the host backend and the oracle: 40 x 1 has a partial
- * second word, 34 x 2 node-mates beside it, 64 x 1 two full words, 128 x 1 the limit
- * (HEP_MAX_NODES_GPU). Every virtual rank is a thread with its own stream and its loopback
- * NIC's stream, and a GPU has 32 hardware queues (CUDA_DEVICE_MAX_CONNECTIONS at most 32):
- * past 16 co-dependent ranks on one GPU two streams share a queue and a kernel can wait
- * behind one that waits for it. So the ranks are spread, 16 to a GPU (node-mates on one),
- * and a case runs only where the machine has the GPUs it needs. */
+/* ep_many_nodes_cases (ep_case.h) against the host backend and the oracle. Every virtual
+ * rank is a thread with its own stream and its loopback NIC's stream, and a GPU has 32
+ * hardware queues (CUDA_DEVICE_MAX_CONNECTIONS at most 32): past 16 co-dependent ranks on
+ * one GPU two streams share a queue and a kernel can wait behind one that waits for it. So
+ * the ranks are spread, 16 to a GPU (node-mates on one), and a case runs only where the
+ * machine has the GPUs it needs. */
 static void gpu_many_nodes_beyond_one_warp_match_host_backend(void **state)
 {
-    static const struct {
-        int N, R, skew, index64, tmode;
-        hep_dtype dt;
-    } cases[] = {
-        {40, 1, EP_ROUTE_NODES, 0, -1, HEP_DTYPE_BF16},
-        {34, 2, EP_ROUTE_NODES, 1, 1, HEP_DTYPE_BF16},
-        {64, 1, 0, 0, 1, HEP_DTYPE_FP8_E4M3},
-        {128, 1, 0, 1, -1, HEP_DTYPE_BF16},
-    };
     const int per_gpu = 16;
     unsigned seed = fresh_seed() ^ 0x2545f491u;
     int ngpu = 0, ran = 0;
@@ -452,17 +441,17 @@ static void gpu_many_nodes_beyond_one_warp_match_host_backend(void **state)
     setenv("HEP_GPU_MR_MODE", "dmabuf", 1);
     hep_env_reload();
     g_opts.ranks_per_gpu = per_gpu;
-    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
-        const int W = cases[k].N * cases[k].R, need = (W + per_gpu - 1) / per_gpu;
-        assert_true(cases[k].N > 32 && W <= EP_MAX_RANKS && per_gpu % cases[k].R == 0);
+    for (size_t k = 0; k < EP_MANY_NODES_CASES; k++) {
+        const ep_many_nodes_case *mc = &ep_many_nodes_cases[k];
+        const int W = mc->N * mc->R, need = (W + per_gpu - 1) / per_gpu;
+        assert_true(mc->N > 32 && W <= EP_MAX_RANKS && per_gpu % mc->R == 0);
         if (need > ngpu) {
             print_message("%d nodes x %d: not run: %d virtual ranks need %d GPUs (%d a GPU), "
-                          "this machine has %d\n", cases[k].N, cases[k].R, W, need, per_gpu,
-                          ngpu);
+                          "this machine has %d\n", mc->N, mc->R, W, need, per_gpu, ngpu);
             continue;
         }
-        gpu_case(cases[k].N, cases[k].R, cases[k].dt, cases[k].skew, cases[k].index64, 0,
-                 cases[k].tmode, seed + (unsigned)k, 256, 16);
+        gpu_case(mc->N, mc->R, mc->dt, mc->skew, mc->index64, 0, mc->t_is_T ? 1 : -1,
+                 seed + (unsigned)k, 256, 16);
         ran++;
     }
     g_opts.ranks_per_gpu = 0;

@@ -237,26 +237,17 @@ static void host_two_nodes_of_four_at_zero_and_full_capacity_repeated(void **sta
     run_nodes(2, 4, HEP_DTYPE_FP8_E4M3, 0, 0, 20, 3, 61);
 }
 
-/* The shapes of test_gpu_ep's many-nodes case (H 256, T 16, E_l 4, K 8, SMs as it sets
- * them) on the host backend against the oracle: the harness and the oracle at up to 128
- * ranks, the nodes past one word of 32 included. */
+/* ep_many_nodes_cases (ep_case.h) on the host backend against the oracle: the harness and
+ * the oracle at up to 128 ranks, the nodes past one word of 32 included. */
 static void host_many_nodes_past_one_word_match_the_oracle(void **state)
 {
-    static const struct {
-        int N, R, skew, index64, force_t;
-        hep_dtype dt;
-    } cases[] = {
-        {40, 1, EP_ROUTE_NODES, 0, -1, HEP_DTYPE_BF16},
-        {34, 2, EP_ROUTE_NODES, 1, 16, HEP_DTYPE_BF16},
-        {64, 1, 0, 0, 16, HEP_DTYPE_FP8_E4M3},
-        {128, 1, 0, 1, -1, HEP_DTYPE_BF16},
-    };
     (void)state;
-    for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
-        hep_config conf = cfg(256, 16, 4, 8, cases[k].dt);
-        conf.ranks_per_node = cases[k].R;
-        run_case(conf, cases[k].N * cases[k].R, 8, cases[k].index64, cases[k].skew, 0,
-                 70u + (unsigned)k, cases[k].force_t, 2);
+    for (size_t k = 0; k < EP_MANY_NODES_CASES; k++) {
+        const ep_many_nodes_case *m = &ep_many_nodes_cases[k];
+        hep_config conf = cfg(256, 16, 4, 8, m->dt);
+        conf.ranks_per_node = m->R;
+        run_case(conf, m->N * m->R, 8, m->index64, m->skew, 0, 70u + (unsigned)k,
+                 m->t_is_T ? 16 : -1, 2);
     }
 }
 
