@@ -132,10 +132,11 @@ static void plan_two_nodes_lists_all_fourteen_rdma_buffers(void **state)
     assert_int_equal(p.buf[HEP_BUF_D_ATTN_TOKEN].bytes, 1 * 100 * 512);
     assert_int_equal(p.buf[HEP_BUF_D_GROUP_TOKEN].bytes, 1 * 100 * 512);
     assert_int_equal(p.buf[HEP_BUF_C_GROUP_TOKEN].bytes, 1 * 100 * 512 * 2);
-    /* each token's routing travels (K ids, K weights); (count, flag, count-block flag)
-     * per node, then per node a count block of 4 ranks x (3 experts + 1) i32 = 8 words */
-    assert_int_equal(p.buf[HEP_BUF_D_ATTN_PROB].bytes, 100 * 2 * 4 * 4);
-    assert_int_equal(p.buf[HEP_BUF_D_GROUP_PROB].bytes, 1 * 100 * 2 * 4 * 4);
+    /* each token's routing travels (K ids, K weights, and its offset at each of the 4
+     * ranks of the receiving node); (count, flag, count-block flag) per node, then per node
+     * a count block of 4 ranks x (3 experts + 1) i32 = 8 words */
+    assert_int_equal(p.buf[HEP_BUF_D_ATTN_PROB].bytes, 100 * (2 * 4 + 4) * 4);
+    assert_int_equal(p.buf[HEP_BUF_D_GROUP_PROB].bytes, 1 * 100 * (2 * 4 + 4) * 4);
     /* ... then the ring words: per node a credit or landed word and one flag source (the
      * GPU backend's ring is one chunk of T) */
     assert_int_equal(p.buf[HEP_BUF_D_ATTN_FLAGS].bytes, (3 * 2 + 2 * 8 + 2 + 2 * 1) * 8);
@@ -211,7 +212,8 @@ static void plan_gpu_128_nodes_of_8_ranks(void **state)
     assert_int_equal(p.max_recv_rows, 1024 * 16);
     /* [node][T][R] + [T][N] + [132 blocks][N] positions; [N][132 blocks][R] block counts */
     assert_int_equal(p.buf[HEP_BUF_HANDLE_ROWS].bytes, (16 * 1024 + 16 * 128 + 132 * 128) * 4);
-    assert_int_equal(p.buf[HEP_BUF_HANDLE_BLOCKS].bytes, 132 * 1024 * 4);
+    /* then the pack's [T][N][R] offsets and [132 blocks][N][R] counts of them */
+    assert_int_equal(p.buf[HEP_BUF_HANDLE_BLOCKS].bytes, (132 * 1024 + 16 * 1024 + 132 * 1024) * 4);
     /* counts double-buffered: [2][N][R][E_l + 1] */
     assert_int_equal(p.buf[HEP_BUF_COUNTS].bytes, 2 * 128 * 8 * 3 * 4);
     /* the proxy's ready words: 2 phases x N nodes */

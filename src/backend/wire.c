@@ -110,10 +110,15 @@ int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, int S, int probs, he
                      2 * N + s);
             n = add_blocks(g, ch, n, peer, HEP_BUF_D_ATTN_TOKEN, j * T * rb, HEP_BUF_D_GROUP_TOKEN,
                            s * T * rb, rb, px, S);
-            n = add_blocks(g, ch, n, peer, HEP_BUF_D_ATTN_PROB, j * 2 * T * rw,
-                           HEP_BUF_D_GROUP_PROB, s * 2 * T * rw, rw, px, S);
-            n = add_blocks(g, ch, n, peer, HEP_BUF_D_ATTN_PROB, (j * 2 * T + T) * rw,
-                           HEP_BUF_D_GROUP_PROB, (s * 2 * T + T) * rw, rw, px, S);
+            /* the routing's three blocks of a slot (ep_kernels.h): ids, weights, offsets */
+            const size_t rs = T * (size_t)HEP_GPU_ROUTE_WORDS(g->cfg->max_topk, g->R) * 4;
+            const size_t ro = (size_t)g->R * 4, rt = T * rw;
+            n = add_blocks(g, ch, n, peer, HEP_BUF_D_ATTN_PROB, j * rs, HEP_BUF_D_GROUP_PROB,
+                           s * rs, rw, px, S);
+            n = add_blocks(g, ch, n, peer, HEP_BUF_D_ATTN_PROB, j * rs + rt,
+                           HEP_BUF_D_GROUP_PROB, s * rs + rt, rw, px, S);
+            n = add_blocks(g, ch, n, peer, HEP_BUF_D_ATTN_PROB, j * rs + 2 * rt,
+                           HEP_BUF_D_GROUP_PROB, s * rs + 2 * rt, ro, px, S);
             if (fp8)
                 n = add_blocks(g, ch, n, peer, HEP_BUF_D_ATTN_SCALE, j * T * sb,
                                HEP_BUF_D_GROUP_SCALE, s * T * sb, sb, px, S);

@@ -129,6 +129,10 @@ static int gpu_setup(hep_backend_ctx *g)
         k->px = (unsigned long long *)(g->mapped_dev + g->plan->buf[HEP_BUF_PROXY].offset);
     }
     k->block_counts = (int *)hep_be_buf(g, HEP_BUF_HANDLE_BLOCKS);
+    if (g->N > 1) { /* the pack's scratch after the scan's block counts (layout/plan.c) */
+        k->pack_off = k->block_counts + 132 * (size_t)g->world;
+        k->md_blocks = k->pack_off + (size_t)g->cfg->max_tokens * (size_t)g->world;
+    }
     k->host_counts = (int *)hep_be_buf(g, HEP_BUF_HOST_COUNTS);
     k->diag = (hep_diag *)(g->mapped_dev + g->plan->buf[HEP_BUF_DIAG].offset);
     k->abort = (unsigned long long *)hep_be_buf(g, HEP_BUF_FLAGS) + HEP_FLAG_ABORT;
@@ -313,7 +317,7 @@ static int start_network(hep_backend_ctx *g, int phase, int S, void *stream, uin
     rc = proxy_done(g); /* an asynchronous call's batch before this one */
     if (rc)
         return rc;
-    ch = malloc(sizeof(*ch) * (size_t)(g->N - 1) * (4 * (size_t)S + 2));
+    ch = malloc(sizeof(*ch) * (size_t)(g->N - 1) * (5 * (size_t)S + 2));
     if (!ch)
         return hep_fail(HEP_ERR_NOMEM, "%s: out of memory", phase ? "hep_combine" : "hep_dispatch");
     n = hep_wire_gpu_batch(g, phase, S, probs, ch);

@@ -106,9 +106,13 @@ __device__ __forceinline__ void push_row(const uint4 *src, bool slot, unsigned m
 // A row at or past the receive capacity is not written (only a layout of HEP_ASYNC has
 // one); with `drop_cnt` (this rank's published counts of list L) each of its local experts
 // there is taken off the count, which the destination sums again after the arrivals.
+// Token i of the list is row vi of the view (the same for the own tokens); a slot's token
+// takes its positions from the offsets its sender shipped and records them in dest_rows
+// (list L's positions, which combine reads).
 __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, int L, int i,
-                                           int mybase, char *const *s_x, float *const *s_prob,
-                                           float *const *s_scale, int *drop_cnt)
+                                           int vi, int mybase, char *const *s_x,
+                                           float *const *s_prob, float *const *s_scale,
+                                           int *drop_cnt)
 {
     const int R = a.R, El = a.El, lane = threadIdx.x & 31;
     const long long first = (long long)a.rank0 * El;
@@ -119,7 +123,11 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
     const int per_pass = ((nvec + passes - 1) / passes + 31) & ~31;
     // the token's positions, slots, weights and scales are loaded together, before any of
     // them is used: one memory round trip ahead of the row's loads, not three in a row
-    const int pos = lane < R ? a.dest_rows[((size_t)L * T + i) * R + lane] : -1;
+    int *drow = a.dest_rows + ((size_t)L * T + i) * R;
+    const int pos = lane >= R ? -1 : v.off ? v.off[(size_t)vi * R + lane] : drow[lane];
+    if (v.off && lane < R)
+        drow[lane] = pos;
+    i = vi; /* from here on, the view's row */
     const long long myid = lane < v.K ? list_id(a, v, i, lane) : -2;
     const float myw = lane < v.K ? list_w(a, v, i, lane) : 0.f;
     const bool vec_scale = a.nscale % 4 == 0 && a.nscale <= 128 &&
@@ -191,7 +199,7 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
     warp_range(t0, t1, threadIdx.x >> 5, blockDim.x >> 5, w0, w1);
     for (int i = w0; i < w1; i++)
 #endif
-        push_token(a, v, L, i, mybase, s_x, s_prob, s_scale, drop_cnt);
+        push_token(a, v, L, i, i, mybase, s_x, s_prob, s_scale, drop_cnt);
     bulk_wait_all(); /* HEP_BULK_STORES: the list's copies are done (and their stage read) */
 }
 
@@ -340,7 +348,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     // 3. push the own tokens (while the other nodes' rows may still travel), then theirs;
     // nothing when the layout exceeded the receive capacity (every rank decided the same)
     // (across nodes: when a rank of this node needs more rows, summed over all N lists;
-    // every slot is still waited for, scanned and consumed, so that every sender finishes)
+    // every slot is still waited for and consumed, so that every sender finishes)
     const bool over = a.cap && ld_l2(a.over);
     if (EM) { /* then the slots */
         if (!over)
@@ -364,21 +372,13 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
             return;
         if (b == 0 && tid < N - 1) /* the layout keeps them for its combines */
             a.slot_rows[tid] = (int)ld_relaxed(a.slot_words + tid);
+        // each slot token's positions are its sender's offsets (no scan here): any block
+        // forwards any part of a slot
         for (int L = 0; L < N; L++)
-            if (L != a.node)
-                scan_list(a, list_of(a, L), L, false, s, mine);
-        grid_arrive(a.grid_arrive2);
-        if (!grid_wait(a, a.grid_arrive2, e * (unsigned long long)S))
-            return;
-        for (int L = 0; L < N; L++) {
-            if (L == a.node)
-                continue;
-            const lview v = list_of(a, L);
-            rebase_list(a, L, v.t, s);
-            if (!over) /* drops as the own tokens do, off this rank's counts of list L */
-                push_list(a, v, L, s_x, s_prob, s_scale,
+            if (L != a.node && !over) /* drops as the own tokens do, off this rank's counts
+                                         of list L */
+                push_list(a, list_of(a, L), L, s_x, s_prob, s_scale,
                           a.drop ? mine + (size_t)L * R * (a.El + 1) : NULL);
-        }
     }
     arrive_all(a, e);
     if (b == 0)

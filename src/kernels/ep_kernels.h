@@ -102,6 +102,10 @@
 #define HEP_EM_WORDS 8
 
 #define HEP_COUNT_BLOCK_WORDS(R, El) (((R) * ((El) + 1) + 1) / 2)
+/* The GPU path's routing of one slot token (i32 words): kmax ids, kmax weights, and its
+ * offset among the sender's tokens for each local rank of the receiving node (-1: none),
+ * stored per slot as three blocks [ST][kmax] ids, [ST][kmax] weights, [ST][R] offsets. */
+#define HEP_GPU_ROUTE_WORDS(K, R) (2 * (K) + (R))
 
 /* The inter-node receive slots as a ring of chunks (host backend; the GPU kernels keep one
  * chunk of T tokens per slot). A slot holds P = HEP_RING_DEPTH chunk positions of C tokens
@@ -209,8 +213,15 @@ typedef struct hep_kargs {
     unsigned long long *combine_done;/* combine blocks that finished the partial sums */
     unsigned long long *count_done;  /* pack blocks that added their count blocks */
     unsigned long long *grid_arrive2;/* dispatch blocks that scanned the other nodes' slots */
+    int *pack_off;                   /* [T][N][R]: an own token's offset among this rank's
+                                        tokens for (node m, local rank d), or -1 (pack) */
+    int *md_blocks;                  /* [S][N][R]: own tokens per (node, local rank) of each
+                                        pack block */
     char *send_token;                /* dispatch.attn_input_token [N-1][T] rows */
-    int *send_route;                 /* dispatch.attn_input_prob [N-1][2][T][kmax] */
+    int *send_route;                 /* dispatch.attn_input_prob [N-1][ST]: per slot the kmax
+                                        ids of its tokens [ST][kmax], their weights [ST][kmax]
+                                        and their offsets at the node's ranks [ST][R] (the
+                                        receiver's row is meta[list][d] + offset) */
     float *send_scale;               /* dispatch.attn_input_scaling_factor [N-1][T][nscale] */
     unsigned long long *send_words;  /* dispatch.attn_input_flags: counts [N], flags [N] */
     const char *slot_token;          /* dispatch.rdma_inter_node_group_token */

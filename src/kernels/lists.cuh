@@ -18,6 +18,7 @@ struct lview {
     const float *scl;
     const int *ids;
     const float *w;
+    const int *off; /* a slot: [t][R] each token's offset at each local rank (else NULL) */
 };
 
 __device__ __forceinline__ long long topk_at(const hep_kargs &a, int i, int k)
@@ -37,13 +38,15 @@ __device__ __forceinline__ lview list_of(const hep_kargs &a, int L)
     if (L == a.node) {
         v.t = a.t, v.K = a.K, v.slot = 0;
         v.tok = (const char *)a.tokens, v.scl = a.scales, v.ids = NULL, v.w = a.weights;
+        v.off = NULL;
     } else {
         const size_t s = (size_t)slot_index(L, a.node), T = (size_t)a.T;
         v.t = (int)ld_relaxed(a.slot_words + s), v.K = a.kmax, v.slot = 1;
         v.tok = a.slot_token + s * T * (size_t)a.H * a.esize;
         v.scl = a.slot_scale ? a.slot_scale + s * T * a.nscale : NULL;
-        v.ids = a.slot_route + s * 2 * T * a.kmax;
+        v.ids = a.slot_route + s * T * (size_t)HEP_GPU_ROUTE_WORDS(a.kmax, a.R);
         v.w = (const float *)(v.ids + T * a.kmax);
+        v.off = v.ids + 2 * T * a.kmax;
     }
     return v;
 }

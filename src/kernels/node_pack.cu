@@ -19,7 +19,9 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
 {
     extern __shared__ int ncnt[]; // [N][R][El + 1]: the count block of each node's slot
     const int N = a.N, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int R = a.R, El = a.El, CBI = R * (El + 1);
+    const int R = a.R, El = a.El, CBI = R * (El + 1), NR = N * R;
+    int *run_md = ncnt + (size_t)N * CBI; /* [N][R] the block's tokens per (node, rank) ... */
+    int *pre_md = run_md + NR;            /* ... and the earlier blocks' */
     const size_t CBW = HEP_COUNT_BLOCK_WORDS((size_t)R, (size_t)El);
     const int nwarps = blockDim.x >> 5, S = gridDim.x, b = blockIdx.x;
     const long long Enode = (long long)a.El * a.R, E = Enode * N;
@@ -35,6 +37,8 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
         run[tid] = 0;
     for (int j = tid; j < N * CBI; j += blockDim.x)
         ncnt[j] = 0;
+    for (int j = tid; j < NR; j += blockDim.x)
+        run_md[j] = 0;
     if (b == 0) /* the previous call's blocks went out before this call was submitted */
         for (int j = tid; j < N * CBI; j += blockDim.x)
             cblocks[(size_t)(j / CBI) * 2 * CBW + j % CBI] = 0;
@@ -72,8 +76,27 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
             tile_positions(mask, min(32, N - g0), i < t1, a.node_pos + (size_t)i * N + g0,
                            &wcnt[0][0], run + g0);
         }
+    // each own token's offset among the block's tokens for (node m, local rank d): the
+    // receiver at m adds the rows of the blocks before (below) and its row base there, so
+    // that it forwards any part of the slot without a scan of its own
+    for (int tile = t0; tile < t1; tile += blockDim.x)
+        for (int m = 0; m < N; m++) {
+            const int i = tile + tid;
+            unsigned dmask = 0;
+            if (m == a.node)
+                continue; /* the same for every thread */
+            for (int k = 0; i < t1 && k < a.K; k++) {
+                const long long x = topk_at(a, i, k);
+                if (x >= 0 && x < E && (int)(x / Enode) == m)
+                    dmask |= 1u << (int)((x % Enode) / El);
+            }
+            tile_positions(dmask, R, i < t1, a.pack_off + ((size_t)i * N + m) * R, &wcnt[0][0],
+                           run_md + (size_t)m * R);
+        }
     if (tid < N)
         a.node_blocks[(size_t)b * N + tid] = run[tid];
+    for (int j = tid; j < NR; j += blockDim.x)
+        a.md_blocks[(size_t)b * NR + j] = run_md[j];
     grid_arrive(a.pack_arrive);
     if (!grid_wait(a, a.pack_arrive, e * (unsigned long long)S))
         return;
@@ -96,9 +119,18 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
     }
     block_prefix(a.node_blocks, S, N, b, pre, tot);
     rebase_positions(a.node_pos, t0, t1, N, pre);
+    block_prefix(a.md_blocks, S, NR, b, pre_md, NULL);
+    for (int k = tid; k < (t1 - t0) * NR; k += blockDim.x) { /* the other nodes' offsets */
+        int *p = a.pack_off + (size_t)t0 * NR + k;
+        const int v = *p;
+        if (k % NR / R != a.node && v >= 0)
+            *p = v + pre_md[k % NR];
+    }
+    __syncthreads();
 
     // copy each token once per node that needs it: row, sanitized routing, scales
     const size_t rb = (size_t)a.H * a.esize, nvec = rb / 16, T = (size_t)a.T;
+    const size_t RWS = T * (size_t)HEP_GPU_ROUTE_WORDS(a.kmax, R); /* a slot's routing words */
     for (int i = t0 + warp; i < t1; i += nwarps) {
         long long myid = lane < a.K ? topk_at(a, i, lane) : -1;
         if (myid < -1 || myid >= E)
@@ -115,10 +147,14 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
                 uint4 *dst = (uint4 *)(a.send_token + (j * T + row) * rb);
                 for (size_t v = lane; v < nvec; v += 32)
                     dst[v] = __ldg(src + v);
+                int *route = a.send_route + j * RWS;
                 if (lane < a.kmax) {
-                    a.send_route[(j * 2 * T + row) * a.kmax + lane] = (int)myid;
-                    ((float *)a.send_route)[(j * 2 * T + T + row) * a.kmax + lane] = myw;
+                    route[row * a.kmax + lane] = (int)myid;
+                    ((float *)route)[(T + row) * a.kmax + lane] = myw;
                 }
+                if (lane < R)
+                    route[2 * T * a.kmax + row * R + lane] =
+                        a.pack_off[((size_t)i * N + L) * R + lane];
                 for (int c = lane; c < a.nscale; c += 32)
                     a.send_scale[(j * T + row) * a.nscale + c] = a.scales[(size_t)i * a.nscale + c];
             }
@@ -151,7 +187,8 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
 
 extern "C" size_t hep_node_pack_smem(int N, int R, int El)
 {
-    return sizeof(int) * (size_t)N * (size_t)R * (size_t)(El + 1); /* the count blocks */
+    /* the count blocks, then the tokens per (node, rank) of this block and of the earlier */
+    return sizeof(int) * (size_t)N * (size_t)R * (size_t)(El + 3);
 }
 
 extern "C" int hep_launch_node_pack(const hep_kargs *a, int blocks, void *stream)

@@ -195,7 +195,11 @@ static void plan_internode(plan_ctx *x, const hep_config *c, size_t esize, size_
     size_t H = (size_t)c->hidden, N = (size_t)p->nodes;
     size_t Enode = (size_t)c->experts_per_rank * (size_t)p->ranks_per_node;
     size_t slots = (N - 1) * p->slot_tokens; /* rows of the other nodes' slots (rings) */
-    size_t route = 2 * (size_t)c->max_topk; /* a token's top-k ids (i32) then weights (f32) */
+    /* a token's top-k ids (i32) then weights (f32); the GPU kernels also send its offset at
+     * each of the receiving node's ranks, so that the receiver forwards without a scan */
+    size_t route = c->backend == HEP_BACKEND_HOST
+                       ? 2 * (size_t)c->max_topk
+                       : HEP_GPU_ROUTE_WORDS((size_t)c->max_topk, (size_t)p->ranks_per_node);
     /* flags buffers: count [N], flag [N], early-count flag [N], then per node the count
      * block (tokens per (local rank, expert) of its slot, R x (E_l + 1) i32) */
     size_t fw = HEP_INTERNODE_FLAG_WORDS(N, HEP_COUNT_BLOCK_WORDS((size_t)p->ranks_per_node,
@@ -329,9 +333,12 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
             HEP_ARENA_LOCAL, 0);
     add(&x, HEP_BUF_HANDLE_META, "handle.meta", "both", "i32", 4, 4 * W + El + 24 + HEP_WORK_WORDS,
         HEP_ARENA_LOCAL, 0);
+    /* [N][132 blocks][R] the scan's block counts; across nodes then the pack's scratch:
+     * [T][N][R] each own token's offset among this rank's tokens for each (node, local
+     * rank), [132 blocks][N][R] the pack blocks' counts of them */
     if (c->backend != HEP_BACKEND_HOST)
-        add(&x, HEP_BUF_HANDLE_BLOCKS, "handle.block_counts", "dispatch", "i32", 4, 132 * W,
-            HEP_ARENA_LOCAL, 0);
+        add(&x, HEP_BUF_HANDLE_BLOCKS, "handle.block_counts", "dispatch", "i32", 4,
+            132 * W + (nodes > 1 ? mul3(&x, T, W, 1) + 132 * W : 0), HEP_ARENA_LOCAL, 0);
     add(&x, HEP_BUF_DIAG, "diag.timeout_record", "both", "byte", 1, 4096, HEP_ARENA_MAPPED, 0);
     add(&x, HEP_BUF_HOST_COUNTS, "host.recv_counts", "dispatch", "i32", 4, El + 1,
         HEP_ARENA_PINNED, 0);
