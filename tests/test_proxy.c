@@ -185,6 +185,48 @@ static void proxy_takes_extents_from_the_producer_and_fences_the_slot_flag(void 
     assert_non_null(strstr(hep_last_error(), "beyond the 1024 bytes"));
 }
 
+/* A ring whose chunk count only its producer knows: the batch holds as many chunks as the
+ * ring could have, and the skip word makes the ones past the call's count done without a
+ * write; a fenced flag behind them goes out once they are skipped. Nothing is skipped
+ * while the word is below a chunk's skip value, and a real chunk is never skipped. */
+static void proxy_skips_the_ring_chunks_a_call_does_not_have(void **state)
+{
+    fixture *f = *state;
+    static uint64_t skip;
+    hep_proxy_chunk c[5];
+    hep_proxy_peer_stats st0, st;
+    hep_proxy_stats(f->proxy, 2, &st0);
+    for (int i = 0; i < 4; i++) {
+        c[i] = chunk(f, i, i, i + 8);
+        c[i].skip = &skip;
+        c[i].skip_want = 100 - (uint64_t)i; /* skipped once skip >= 100 - i: i >= 100 - skip */
+    }
+    c[4] = chunk(f, 4, 0, 0);
+    c[4].len = 0; /* the slot's flag, behind every chunk */
+    c[4].fence = 1;
+    skip = 10; /* an earlier call's value: skips nothing */
+    assert_int_equal(hep_proxy_submit(f->proxy, c, 5, 3), 0);
+    publish(f, 4, 3);
+    publish(f, 0, 3);
+    publish(f, 1, 3);
+    for (int spin = 0; spin < 2000 && __atomic_load_n(&f->flags[1], __ATOMIC_ACQUIRE) != 3; spin++)
+        usleep(100);
+    usleep(20000);
+    assert_int_equal(__atomic_load_n(&f->flags[4], __ATOMIC_ACQUIRE), 0); /* 2, 3 pending */
+    __atomic_store_n(&skip, 98, __ATOMIC_RELEASE); /* this call has 2 chunks */
+    assert_int_equal(hep_proxy_wait(f->proxy), 0);
+    assert_int_equal(f->flags[4], 3);
+    assert_int_equal(f->flags[0], 3);
+    assert_int_equal(f->flags[1], 3);
+    assert_int_equal(f->flags[2], 0); /* skipped: neither data nor flag */
+    assert_int_equal(f->flags[3], 0);
+    assert_memory_equal(f->slots + 8 * CH, f->staging, 2 * CH);
+    assert_int_equal(f->slots[10 * CH], 0);
+    hep_proxy_stats(f->proxy, 2, &st);
+    assert_int_equal(st.bytes - st0.bytes, 2 * CH);
+    assert_int_equal(st.flag_wrs - st0.flag_wrs, 3);
+}
+
 static void proxy_refused_write_fails_the_batch_naming_peer_and_buffer(void **state)
 {
     fixture *f = *state;
@@ -341,6 +383,8 @@ int main(void)
             proxy_takes_extents_from_the_producer_and_fences_the_slot_flag, setup, teardown),
         cmocka_unit_test_setup_teardown(
             proxy_failed_completion_names_buffer_peer_and_nic_text, setup, teardown),
+        cmocka_unit_test_setup_teardown(proxy_skips_the_ring_chunks_a_call_does_not_have, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(proxy_refused_write_fails_the_batch_naming_peer_and_buffer,
                                         setup, teardown),
         cmocka_unit_test_setup_teardown(

@@ -95,6 +95,14 @@ static int ready_at(hep_proxy *p, int i)
     return 1;
 }
 
+/* Not posted, and its producer said the call does not need it. */
+static int skippable(const hep_proxy *p, int i)
+{
+    const hep_proxy_chunk *c = &p->chunks[i];
+    return !p->posted[i] && c->skip &&
+           __atomic_load_n((const uint64_t *)c->skip, __ATOMIC_ACQUIRE) >= c->skip_want;
+}
+
 /* A fenced chunk waits for every earlier chunk to its peer: the peer's earliest unposted
  * chunk (advanced along the peer's own list, so the batch is walked once in all) is it. */
 static int postable(hep_proxy *p, int i)
@@ -166,7 +174,11 @@ static int step(hep_proxy *p)
     while (p->lo < p->n && p->posted[p->lo])
         p->lo++;
     for (int i = p->lo; i < p->n && !p->rc; i++)
-        if (postable(p, i)) {
+        if (skippable(p, i)) {
+            p->posted[i] = 1;
+            p->remaining_posts--;
+            did = 1;
+        } else if (postable(p, i)) {
             post_run(p, i);
             did = 1;
         }

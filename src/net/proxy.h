@@ -40,6 +40,11 @@ typedef struct hep_proxy_chunk {
                                        to the same peer (a slot's flag after all its data) */
     uint64_t want;                  /* 0: ready once *ready >= the batch's epoch; else once
                                        *ready >= want (a ring's chunk k of a call, a credit) */
+    /* NULL, or: once *skip >= skip_want (read with acquire) while the chunk is not posted,
+     * the call does not need it (a ring's chunk past the ones its producer has, known on
+     * the device only): it counts as posted, and nothing of it is sent. */
+    const volatile uint64_t *skip;
+    uint64_t skip_want;
 } hep_proxy_chunk;
 
 typedef struct hep_proxy_peer_stats {
