@@ -321,14 +321,16 @@ static hep_config gcfg(int H, int T, int El, int K, hep_dtype dt, int R)
 }
 
 /* N nodes x R ranks on the one GPU (N > 1: over the loopback NIC, with the registrations
- * HEP_GPU_MR_MODE asks for), against the host backend and the oracle. */
+ * HEP_GPU_MR_MODE asks for), against the host backend and the oracle; chunk: the
+ * inter-node rings' config.chunk_tokens (HEP_CHUNK_DEFAULT: the backend's). */
 static void gpu_case(int N, int R, hep_dtype dt, int skew, int index64, int zero_copy, int tmode,
-                     unsigned seed, int H, int T)
+                     unsigned seed, int H, int T, int chunk)
 {
     static ep_case c;
-    char label[160];
+    char label[192];
     memset(&c, 0, sizeof(c));
     c.cfg = gcfg(H, T, 4, 8, dt, R);
+    c.cfg.chunk_tokens = chunk;
     if (g_opts.ranks_per_gpu) { /* ranks spread over GPUs: SMs left for the NICs' copies */
         const int on_gpu = N * R < g_opts.ranks_per_gpu ? N * R : g_opts.ranks_per_gpu;
         c.cfg.dispatch_sms = c.cfg.combine_sms = 96 / on_gpu > 16 ? 16 : 96 / on_gpu;
@@ -344,11 +346,12 @@ static void gpu_case(int N, int R, hep_dtype dt, int skew, int index64, int zero
     c.has_t_fixed = tmode >= 0;
     c.t_fixed = tmode == 1 ? T : 0;
     ep_case_random(&c, seed, skew);
-    snprintf(label, sizeof(label), "%d node%s x %d ranks %s %s %s %s t=%s H=%d T=%d seed=%u", N,
+    snprintf(label, sizeof(label),
+             "%d node%s x %d ranks %s %s %s %s t=%s H=%d T=%d chunk=%d seed=%u", N,
              N > 1 ? "s" : "", R, dt == HEP_DTYPE_FP8_E4M3 ? "fp8" : "bf16",
              skew == EP_ROUTE_NODES ? "node-mixed" : skew ? "skewed" : "uniform",
              index64 ? "int64" : "int32", zero_copy ? "zero-copy" : "copy",
-             tmode < 0 ? "random" : tmode ? "T" : "0", H, T, seed);
+             tmode < 0 ? "random" : tmode ? "T" : "0", H, T, chunk, seed);
     assert_int_equal(run_gpu_and_host(&c, label), 0);
     ep_case_free(&c);
 }
@@ -356,13 +359,23 @@ static void gpu_case(int N, int R, hep_dtype dt, int skew, int index64, int zero
 static void one_case(int R, hep_dtype dt, int skew, int index64, int zero_copy, int tmode,
                      unsigned seed, int H, int T)
 {
-    gpu_case(1, R, dt, skew, index64, zero_copy, tmode, seed, H, T);
+    gpu_case(1, R, dt, skew, index64, zero_copy, tmode, seed, H, T, HEP_CHUNK_DEFAULT);
 }
 
 static void node_case(int N, int R, hep_dtype dt, int index64, int tmode, unsigned seed, int H,
                       int T)
 {
-    gpu_case(N, R, dt, EP_ROUTE_NODES, index64, 0, tmode, seed, H, T);
+    gpu_case(N, R, dt, EP_ROUTE_NODES, index64, 0, tmode, seed, H, T, HEP_CHUNK_DEFAULT);
+}
+
+/* The inter-node slots as rings of 2 chunks of `chunk` tokens that hold less than a slot
+ * (2 x chunk < T): every call streams several chunks per ring through credits, and each
+ * case runs its calls twice (credits across calls). */
+static void ring_case(int N, int R, hep_dtype dt, int index64, int tmode, unsigned seed, int H,
+                      int T, int chunk)
+{
+    assert_true(2 * chunk < T);
+    gpu_case(N, R, dt, EP_ROUTE_NODES, index64, 0, tmode, seed, H, T, chunk);
 }
 
 static unsigned fresh_seed(void)
@@ -403,6 +416,7 @@ static void gpu_virtual_nodes_match_host_backend_over_loopback_nic_with_dmabuf(v
     if (small_only()) {
         node_case(2, 2, HEP_DTYPE_BF16, 0, -1, seed, 256, 32);
         node_case(2, 1, HEP_DTYPE_FP8_E4M3, 1, -1, seed + 1, 256, 32);
+        ring_case(2, 2, HEP_DTYPE_BF16, 0, -1, seed + 2, 256, 32, 3);
     } else {
         node_case(2, 4, HEP_DTYPE_BF16, 0, -1, seed, 7168, 512);
         node_case(2, 4, HEP_DTYPE_FP8_E4M3, 1, -1, seed + 1, 7168, 512);
@@ -410,6 +424,15 @@ static void gpu_virtual_nodes_match_host_backend_over_loopback_nic_with_dmabuf(v
         node_case(4, 2, HEP_DTYPE_FP8_E4M3, 0, -1, seed + 3, 7168, 512);
         node_case(4, 2, HEP_DTYPE_BF16, 0, 0, seed + 4, 1024, 64); /* t = 0 */
         node_case(2, 4, HEP_DTYPE_BF16, 0, 1, seed + 5, 7168, 4096); /* the bench size */
+        /* rings of chunks smaller than a slot: C = 1, 3, 16, 64, BF16 and FP8 */
+        ring_case(2, 2, HEP_DTYPE_BF16, 0, -1, seed + 6, 256, 64, 1);
+        ring_case(2, 2, HEP_DTYPE_FP8_E4M3, 1, 1, seed + 7, 512, 64, 1); /* t = T */
+        ring_case(2, 4, HEP_DTYPE_FP8_E4M3, 0, -1, seed + 8, 1024, 96, 3);
+        ring_case(2, 4, HEP_DTYPE_BF16, 1, 1, seed + 9, 7168, 512, 64); /* t = T */
+        ring_case(4, 2, HEP_DTYPE_BF16, 0, -1, seed + 10, 1024, 256, 16);
+        ring_case(4, 2, HEP_DTYPE_FP8_E4M3, 1, 1, seed + 11, 7168, 512, 64); /* t = T */
+        ring_case(4, 2, HEP_DTYPE_BF16, 0, 0, seed + 12, 1024, 64, 3); /* t = 0 */
+        ring_case(4, 2, HEP_DTYPE_BF16, 0, 1, seed + 13, 2048, 256, 3); /* t = T */
     }
     unsetenv("HEP_GPU_MR_MODE");
     hep_env_reload();
@@ -451,7 +474,7 @@ static void gpu_many_nodes_beyond_one_warp_match_host_backend(void **state)
             continue;
         }
         gpu_case(mc->N, mc->R, mc->dt, mc->skew, mc->index64, 0, mc->t_is_T ? 1 : -1,
-                 seed + (unsigned)k, 256, 16);
+                 seed + (unsigned)k, 256, 16, HEP_CHUNK_DEFAULT);
         ran++;
     }
     g_opts.ranks_per_gpu = 0;
@@ -484,8 +507,8 @@ static void gpu_graph_replay_gives_the_eager_results(void **state)
 }
 
 /* 4 ranks, R per node; rank `missing` never calls dispatch: every other rank must time
- * out naming it. */
-static void missing_rank_case(int R, int missing, unsigned seed)
+ * out naming it. chunk: config.chunk_tokens (the inter-node rings). */
+static void missing_rank_case(int R, int missing, unsigned seed, int chunk)
 {
     static ep_case c;
     rank_ctx ctx[4];
@@ -495,6 +518,7 @@ static void missing_rank_case(int R, int missing, unsigned seed)
     memset(&c, 0, sizeof(c));
     c.cfg = gcfg(512, 32, 2, 2, HEP_DTYPE_BF16, R);
     c.cfg.backend = HEP_BACKEND_GPU;
+    c.cfg.chunk_tokens = chunk;
     c.world = 4;
     c.K = 2;
     c.skip_rank = missing;
@@ -518,7 +542,7 @@ static void gpu_dispatch_times_out_naming_the_rank_that_never_called(void **stat
     (void)state;
     if (!have_gpu() || small_only()) /* small: under compute-sanitizer, where time stretches */
         skip();
-    missing_rank_case(4, 2, 5);
+    missing_rank_case(4, 2, 5, HEP_CHUNK_DEFAULT);
 }
 
 /* Across nodes: rank 3 never calls. Its peer (rank 1) waits for its slot, its node-mate
@@ -529,7 +553,10 @@ static void gpu_virtual_nodes_time_out_naming_the_missing_rank_on_every_rank(voi
     (void)state;
     if (!have_gpu() || small_only())
         skip();
-    missing_rank_case(2, 3, 9);
+    missing_rank_case(2, 3, 9, HEP_CHUNK_DEFAULT);
+    /* the same with rings of 2 chunks of 4 tokens (T = 32): the waits on chunks and
+     * credits name the missing rank too */
+    missing_rank_case(2, 3, 11, 4);
 }
 
 /* Across nodes the proxy posts each call's writes: capturing a call is refused, clearly. */

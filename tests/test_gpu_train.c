@@ -1380,12 +1380,14 @@ static void graph_replays_of_the_no_sync_mode_equal_the_host(void **state)
  * one-shot sequence with outputs in caller memory, or the handles' (interleaved, reused,
  * combined twice, probabilities through every combine). */
 static void nodes_case(int N, int R, int fp8, int idx64, int oneshot, unsigned seed,
-                       const char *name)
+                       const char *name, int chunk)
 {
     tcase *c = new_case();
     make_case(c, N * R, small_only() ? 24 : 96, small_only() ? 128 : 1024, fp8, seed);
     c->R = R;
     c->cfg.ranks_per_node = R;
+    if (chunk > 0) /* rings of 2 chunks of `chunk` tokens (else the default) */
+        c->cfg.chunk_tokens = chunk;
     c->idx64 = idx64;
     c->oneshot = oneshot;
     c->noprobs = oneshot; /* the one-shot layout carries none (refused, checked above) */
@@ -1398,13 +1400,15 @@ static void nodes_case(int N, int R, int fp8, int idx64, int oneshot, unsigned s
  * again), with probabilities through every combine or without; over: hA's budget drops
  * rows on the busiest ranks. */
 static void nodes_em_case(int N, int R, int fp8, int idx64, int pad, int over, int probs,
-                          unsigned seed, const char *name)
+                          unsigned seed, const char *name, int chunk)
 {
     tcase *c = new_case();
     make_em_case(c, N * R, small_only() ? 24 : 96, small_only() ? 128 : 1024, fp8, pad, over,
                  seed);
     c->R = R;
     c->cfg.ranks_per_node = R;
+    if (chunk > 0) /* a ring that holds the slot whole (2 x chunk >= T): group/ep.c */
+        c->cfg.chunk_tokens = chunk;
     c->idx64 = idx64;
     c->noprobs = !probs;
     run_case(c, name);
@@ -1422,6 +1426,7 @@ typedef struct {
     const char *label;
     int cap;  /* rank-major: 1 the capacity sequence, 2 the no-sync drop sequence */
     int thin; /* cap 2: node 0's experts chosen a third as often (its ranks drop nothing) */
+    int chunk; /* > 0: config.chunk_tokens, the inter-node rings (0: the default) */
 } nodes_spec;
 
 static const nodes_spec nodes_specs[] = {
@@ -1477,6 +1482,26 @@ static const nodes_spec nodes_specs[] = {
      "2 x 4 nodes, no-sync capacity overflow on node 1 only, bf16", 2, 1},
     {"nodes_2x2_no_sync_drop_on_one_node_only_fp8", 2, 2, 1, 0, 0, 0, 0, 0, 0, 58u,
      "2 x 2 nodes, no-sync capacity overflow on node 1 only, fp8", 2, 1},
+    /* the inter-node rings smaller than a slot (T = 96, or 24 small): the handle sequence
+     * streams every ring through credits, call after call */
+    {"nodes_2x2_handles_rings_of_chunks_of_1_bf16", 2, 2, 0, 0, 0, 0, 0, 0, 0, 61u,
+     "2 x 2 nodes, handles, rings of 2 x 1 tokens, bf16", 0, 0, 1},
+    {"nodes_2x4_handles_rings_of_chunks_of_3_fp8_int64", 2, 4, 1, 1, 0, 0, 0, 0, 0, 62u,
+     "2 x 4 nodes, handles, rings of 2 x 3 tokens, fp8, int64", 0, 0, 3},
+    {"nodes_4x2_handles_rings_of_chunks_of_16_bf16", 4, 2, 0, 0, 0, 0, 0, 0, 0, 63u,
+     "4 x 2 nodes, handles, rings of 2 x 16 tokens, bf16", 0, 0, 16},
+    {"nodes_4x2_handles_rings_of_chunks_of_3_fp8", 4, 2, 1, 0, 0, 0, 0, 0, 0, 64u,
+     "4 x 2 nodes, handles, rings of 2 x 3 tokens, fp8", 0, 0, 3},
+    {"nodes_2x2_one_shot_rings_of_chunks_of_3_fp8", 2, 2, 1, 0, 0, 1, 0, 0, 0, 65u,
+     "2 x 2 nodes, one-shot, caller outputs, rings of 2 x 3 tokens, fp8", 0, 0, 3},
+    {"nodes_2x4_expert_major_ring_of_two_chunks_pad_16_probs_bf16", 2, 4, 0, 0, 1, 0, 16, 0, 1,
+     66u, "2 x 4 nodes, expert-major, a ring of 2 x 48 tokens, pad 16, probabilities, bf16", 0,
+     0, 48},
+    {"nodes_2x4_capacity_met_then_one_short_then_fits_again_rings_of_chunks_of_3_bf16", 2, 4, 0,
+     0, 0, 0, 0, 0, 0, 67u, "2 x 4 nodes, capacity, rings of 2 x 3 tokens, bf16", 1, 0, 3},
+    {"nodes_2x4_no_sync_drop_on_one_node_only_rings_of_chunks_of_3_fp8", 2, 4, 1, 0, 0, 0, 0, 0,
+     0, 68u, "2 x 4 nodes, no-sync capacity overflow on node 1 only, rings of 2 x 3 tokens, fp8",
+     2, 1, 3},
 };
 #define N_NODES_SPECS ((int)(sizeof(nodes_specs) / sizeof(nodes_specs[0])))
 
@@ -1498,6 +1523,8 @@ static void nodes_cap_case(const nodes_spec *p)
     c->R = p->R;
     c->cfg.ranks_per_node = p->R;
     c->idx64 = p->idx64;
+    if (p->chunk > 0) /* the rings of chunks: an overflowing node still consumes them */
+        c->cfg.chunk_tokens = p->chunk;
     if (p->thin && (first_over(c, 0, p->R) >= 0 || first_over(c, p->R, W) < 0))
         fail_msg("%s: node 0 must stay below the capacity %d and node 1 exceed it", p->label,
                  c->cap);
@@ -1511,9 +1538,10 @@ static void nodes_test(void **state)
     if (p->cap)
         nodes_cap_case(p);
     else if (p->em)
-        nodes_em_case(p->N, p->R, p->fp8, p->idx64, p->pad, p->over, p->probs, p->seed, p->label);
+        nodes_em_case(p->N, p->R, p->fp8, p->idx64, p->pad, p->over, p->probs, p->seed, p->label,
+                      p->chunk);
     else
-        nodes_case(p->N, p->R, p->fp8, p->idx64, p->oneshot, p->seed, p->label);
+        nodes_case(p->N, p->R, p->fp8, p->idx64, p->oneshot, p->seed, p->label, p->chunk);
 }
 
 static void em_case(int pad, int fp8, int over, int replays, unsigned seed, const char *name)

@@ -72,13 +72,19 @@ static void plan_gpu_across_nodes_sizes_the_receive_buffers_by_the_capacity(void
     assert_true(p.device_bytes < worst.device_bytes);
     assert_true(worst.device_bytes - p.device_bytes >= (512 - 100) * (512 * 2 + 16 + 16) - 3 * 65536);
     /* the README's figures: EP64 (8 x 8, T 4096, H 7168, BF16, E_l 4, K 8) at 2 x the mean,
-     * 1.74 GB per rank (4.60 GB without); 4.60 GB at 32 x 8 (the slots keep T rows a node) */
+     * 1.11 GB per rank with the GPU's default rings (2 x 512 rows a node), 1.84 GB at 32 x 8;
+     * with one chunk of T per slot (chunk 0) 1.74 GB and 4.61 GB */
     c = base(7168, 4096, 4, 8, HEP_DTYPE_BF16);
     c.max_recv_rows = 62880;
     assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
+    assert_true(p.device_bytes > 1110000000u && p.device_bytes < 1120000000u);
+    assert_int_equal(hep_plan_make(&c, 32, 8, &p), HEP_OK);
+    assert_true(p.device_bytes > 1830000000u && p.device_bytes < 1840000000u);
+    c.chunk_tokens = 0;
+    assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
     assert_true(p.device_bytes > 1735000000u && p.device_bytes < 1745000000u);
     assert_int_equal(hep_plan_make(&c, 32, 8, &p), HEP_OK);
-    assert_true(p.device_bytes > 4595000000u && p.device_bytes < 4605000000u);
+    assert_true(p.device_bytes > 4605000000u && p.device_bytes < 4615000000u);
 }
 
 /* Issue 15's targets, host backend (rings of chunks): EP64 (8 x 8, T 4096, H 7168, BF16,
@@ -90,11 +96,30 @@ static void plan_memory_targets_of_the_rings(void **state)
     static hep_plan p;
     size_t ep64;
     (void)state;
+    /* the default is the backend's: rings of 2 x 512 tokens on the GPU, 2 x 8 on the host;
+     * either way EP64 fits 4.0 GB per rank, where one chunk of T plans 4.60 GB */
+    assert_int_equal(c.chunk_tokens, HEP_CHUNK_DEFAULT);
+    assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
+    assert_int_equal(p.chunk, HEP_CHUNK_DEFAULT_GPU);
+    assert_int_equal(p.ring, 2);
+    assert_int_equal(p.slot_tokens, 1024);
+    assert_true(p.device_bytes <= 4000000000u);
+    c.chunk_tokens = 0;
+    assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
+    assert_true(p.device_bytes > 4590000000u);
+    c.chunk_tokens = HEP_CHUNK_DEFAULT;
     c.backend = HEP_BACKEND_HOST;
-    assert_int_equal(c.chunk_tokens, 8);
     assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
     assert_true(p.device_bytes <= 4000000000u);
     assert_int_equal(p.slot_tokens, 16);
+    /* an explicit value means the same on both backends */
+    c.chunk_tokens = 8;
+    assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
+    assert_int_equal(p.slot_tokens, 16);
+    c.backend = HEP_BACKEND_GPU;
+    assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
+    assert_int_equal(p.slot_tokens, 16);
+    c.backend = HEP_BACKEND_HOST;
     c.max_recv_rows = 62880;
     assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
     assert_true(p.device_bytes <= 1500000000u);
@@ -128,19 +153,21 @@ static void plan_two_nodes_lists_all_fourteen_rdma_buffers(void **state)
     assert_string_equal(p.buf[HEP_BUF_D_ATTN_TOKEN].name, "dispatch.attn_input_token");
     assert_string_equal(p.buf[HEP_BUF_C_OUT_FLAGS].name, "combine.attn_output_flags");
     assert_int_equal(p.max_recv_rows, 800);
-    /* one slot of T rows per other node, to send and to receive; FP8 tokens are H bytes */
-    assert_int_equal(p.buf[HEP_BUF_D_ATTN_TOKEN].bytes, 1 * 100 * 512);
-    assert_int_equal(p.buf[HEP_BUF_D_GROUP_TOKEN].bytes, 1 * 100 * 512);
-    assert_int_equal(p.buf[HEP_BUF_C_GROUP_TOKEN].bytes, 1 * 100 * 512 * 2);
+    /* a ring of 2 chunks of 32 tokens per other node (T = 100), to send and to receive;
+     * FP8 tokens are H bytes */
+    assert_int_equal(p.chunk, 32);
+    assert_int_equal(p.ring, 2);
+    assert_int_equal(p.buf[HEP_BUF_D_ATTN_TOKEN].bytes, 1 * 64 * 512);
+    assert_int_equal(p.buf[HEP_BUF_D_GROUP_TOKEN].bytes, 1 * 64 * 512);
+    assert_int_equal(p.buf[HEP_BUF_C_GROUP_TOKEN].bytes, 1 * 64 * 512 * 2);
     /* each token's routing travels (K ids, K weights, and its offset at each of the 4
      * ranks of the receiving node); (count, flag, count-block flag) per node, then per node
      * a count block of 4 ranks x (3 experts + 1) i32 = 8 words */
-    assert_int_equal(p.buf[HEP_BUF_D_ATTN_PROB].bytes, 100 * (2 * 4 + 4) * 4);
-    assert_int_equal(p.buf[HEP_BUF_D_GROUP_PROB].bytes, 1 * 100 * (2 * 4 + 4) * 4);
-    /* ... then the ring words: per node a credit or landed word and one flag source (the
-     * GPU backend's ring is one chunk of T) */
-    assert_int_equal(p.buf[HEP_BUF_D_ATTN_FLAGS].bytes, (3 * 2 + 2 * 8 + 2 + 2 * 1) * 8);
-    assert_int_equal(p.buf[HEP_BUF_D_ATTN_SCALE].bytes, 100 * 4 * 4);
+    assert_int_equal(p.buf[HEP_BUF_D_ATTN_PROB].bytes, 64 * (2 * 4 + 4) * 4);
+    assert_int_equal(p.buf[HEP_BUF_D_GROUP_PROB].bytes, 1 * 64 * (2 * 4 + 4) * 4);
+    /* ... then the ring words: per node a credit or landed word and 2 flag sources */
+    assert_int_equal(p.buf[HEP_BUF_D_ATTN_FLAGS].bytes, (3 * 2 + 2 * 8 + 2 + 2 * 2) * 8);
+    assert_int_equal(p.buf[HEP_BUF_D_ATTN_SCALE].bytes, 64 * 4 * 4);
     /* FP8 slots (T x H) are not the bytes of the BF16 slots (T x 2H) of the same node:
      * slot j of one would lie in another node's slot of the other, so nothing aliases */
     for (int i = HEP_FIRST_RDMA_BUF; i < HEP_BUF_COUNT; i++)
@@ -212,13 +239,15 @@ static void plan_gpu_128_nodes_of_8_ranks(void **state)
     assert_int_equal(p.max_recv_rows, 1024 * 16);
     /* [node][T][R] + [T][N] + [132 blocks][N] positions; [N][132 blocks][R] block counts */
     assert_int_equal(p.buf[HEP_BUF_HANDLE_ROWS].bytes, (16 * 1024 + 16 * 128 + 132 * 128) * 4);
-    /* then the pack's [T][N][R] offsets and [132 blocks][N][R] counts of them */
-    assert_int_equal(p.buf[HEP_BUF_HANDLE_BLOCKS].bytes, (132 * 1024 + 16 * 1024 + 132 * 1024) * 4);
+    /* then the pack's [T][N][R] offsets, [132 blocks][N][R] counts of them, [N][T] slot
+     * lists and the rings' counters, [2 phases][3][N][2 positions] */
+    assert_int_equal(p.buf[HEP_BUF_HANDLE_BLOCKS].bytes,
+                     (132 * 1024 + 16 * 1024 + 132 * 1024 + 128 * 16 + 2 * 3 * 128 * 2) * 4);
     /* counts double-buffered: [2][N][R][E_l + 1] */
     assert_int_equal(p.buf[HEP_BUF_COUNTS].bytes, 2 * 128 * 8 * 3 * 4);
     /* the proxy's ready words: 2 phases x N nodes */
     assert_int_equal(p.buf[HEP_BUF_PROXY].bytes, 2 * 128 * HEP_PX_NODE_WORDS * 8);
-    /* one slot of T rows for each of the 127 other nodes */
+    /* one slot of T rows for each of the 127 other nodes (the default chunk covers T) */
     assert_int_equal(p.buf[HEP_BUF_D_GROUP_TOKEN].bytes, 127 * 16 * 256 * 2);
     assert_true(p.buf[HEP_BUF_D_GROUP_FLAGS].present);
     c.ranks_per_node = 1;
@@ -292,7 +321,7 @@ static void plan_refuses_every_invalid_field(void **state)
     BAD(ranks_per_node, 3, "does not divide");
     BAD(dispatch_sms, 0, "config.dispatch_sms");
     BAD(combine_sms, 200, "config.combine_sms");
-    BAD(chunk_tokens, -1, "config.chunk_tokens");
+    BAD(chunk_tokens, -2, "config.chunk_tokens");
     BAD(chunk_tokens, 4097, "config.chunk_tokens");
     BAD(backend, 5, "config.backend");
     BAD(max_permuted_rows, -1, "config.max_permuted_rows = -1 is out of range 0..1073741824");

@@ -24,6 +24,7 @@
 typedef struct bench_opts {
     int R, nodes, H, T, El, K, sms, iters, warmup, gpus, skew, as_json, host, backend, dtype_i;
     int seed, layout_em, pad; /* --layout expert, --pad-multiple */
+    int chunk;                /* --chunk: config.chunk_tokens */
     hep_dtype dtype;
     cli_int_list sweep;
     const char *dump, *json_file;
@@ -986,6 +987,7 @@ static int parse(int argc, char **argv, bench_opts *o)
     memset(o, 0, sizeof(*o));
     o->R = 8, o->nodes = 1, o->H = 7168, o->T = 4096, o->El = 32, o->K = 8, o->sms = 16;
     o->iters = 20, o->warmup = 5, o->gpus = 1, o->seed = BENCH_DEFAULT_SEED, o->pad = 128;
+    o->chunk = HEP_CHUNK_DEFAULT;
     {
         const cli_opt opts[] = {
             {"nodes", CLI_INT, &o->nodes, 1, 4096, NULL, "N", "virtual nodes (N > 1: the loopback NIC)"},
@@ -996,6 +998,9 @@ static int parse(int argc, char **argv, bench_opts *o)
             {"topk", CLI_INT, &o->K, 1, 32, NULL, "K", "experts per token"},
             {"dtype", CLI_CHOICE, &o->dtype_i, 0, 0, "bf16|fp8", NULL, "dispatch payload"},
             {"sms", CLI_INT, &o->sms, 1, 132, NULL, "S", "SMs of each rank's kernels"},
+            {"chunk", CLI_INT, &o->chunk, HEP_CHUNK_DEFAULT, 4096, NULL, "C",
+             "config.chunk_tokens: tokens per chunk of the inter-node rings (-1: the "
+             "backend's default, 0: one chunk of T per slot)"},
             {"sweep-sms", CLI_INT_LIST, &o->sweep, 1, 132, NULL, "S1,S2,...", "one GPU run per SM count"},
             {"iters", CLI_INT, &o->iters, 1, 100000, NULL, "I", "timed iterations"},
             {"warmup", CLI_INT, &o->warmup, 0, 100000, NULL, "W", "warm-up iterations"},
@@ -1546,6 +1551,7 @@ int hep_cmd_bench(int argc, char **argv)
     b.cfg.dispatch_sms = b.o.sms;
     b.cfg.combine_sms = b.o.sms;
     b.cfg.backend = b.o.host ? HEP_BACKEND_HOST : HEP_BACKEND_GPU;
+    b.cfg.chunk_tokens = b.o.chunk;
     if (hep_config_check(&b.cfg, b.W))
         return cli_fail("bench", 1, "invalid configuration: %s", hep_last_error());
     /* open the outputs first: a path that cannot be written fails before a long run */

@@ -42,24 +42,34 @@ static long long device_bytes_one_chunk(const hep_config *c, int nodes, int rpn)
     return hep_plan_query(&k, nodes, rpn, &q) == HEP_OK ? (long long)q.device_bytes : -1;
 }
 
+/* The --chunk a plan used, in words: the option given, or the backend's default. */
+static const char *chunk_words(const hep_config *c, const hep_plan_info *p)
+{
+    (void)p;
+    static char w[96];
+    if (c->chunk_tokens == HEP_CHUNK_DEFAULT)
+        snprintf(w, sizeof(w), "--chunk %d, the %s backend's default",
+                 c->backend == HEP_BACKEND_HOST ? HEP_CHUNK_DEFAULT_HOST : HEP_CHUNK_DEFAULT_GPU,
+                 c->backend == HEP_BACKEND_HOST ? "host" : "GPU");
+    else
+        snprintf(w, sizeof(w), "--chunk %d", c->chunk_tokens);
+    return w;
+}
+
 static void print_ring_text(const hep_plan_info *p, const hep_config *c)
 {
     long long one = device_bytes_one_chunk(c, p->nodes, p->ranks_per_node);
     if (p->nodes < 2)
         return;
-    if (c->backend != HEP_BACKEND_HOST)
-        printf("inter-node slots: one chunk of T = %d rows per other node (the GPU kernels do "
-               "not use rings of chunks yet; --backend host plans them)\n",
-               c->max_tokens);
-    else if (p->ring_chunks == 1 && p->slot_tokens == (size_t)c->max_tokens)
-        printf("inter-node slots: one chunk of T = %d rows per other node (--chunk %d)\n",
-               c->max_tokens, c->chunk_tokens);
+    if (p->ring_chunks == 1 && p->slot_tokens == (size_t)c->max_tokens)
+        printf("inter-node slots: one chunk of T = %d rows per other node (%s)\n",
+               c->max_tokens, chunk_words(c, p));
     else
         printf("inter-node slots: a ring of %d chunks of %d tokens = %zu rows per other node "
-               "(--chunk %d); with one chunk of T = %d rows instead (--chunk 0): %lld bytes "
+               "(%s); with one chunk of T = %d rows instead (--chunk 0): %lld bytes "
                "(%.3f GB) of device memory per rank\n",
-               p->ring_chunks, p->chunk_tokens, p->slot_tokens, c->chunk_tokens, c->max_tokens,
-               one, (double)one / 1e9);
+               p->ring_chunks, p->chunk_tokens, p->slot_tokens, chunk_words(c, p),
+               c->max_tokens, one, (double)one / 1e9);
 }
 
 static void make_advice(const hep_plan_info *p, const hep_config *c, advice *a)
@@ -86,7 +96,8 @@ static void make_advice(const hep_plan_info *p, const hep_config *c, advice *a)
                    (c->dtype == HEP_DTYPE_FP8_E4M3 ? 4LL * (c->hidden / HEP_FP8_BLOCK) : 0);
 }
 
-static void print_advice_text(const advice *a, const hep_config *c, int world)
+static void print_advice_text(const advice *a, const hep_config *c, const hep_plan_info *p,
+                              int world)
 {
     printf("receive capacity for uniform top-%d routing over %d experts (a token reaches this "
            "rank with p = %.6f; rows ~ Binomial(%lld, p); %lld receive-buffer bytes a row):\n",
@@ -101,8 +112,8 @@ static void print_advice_text(const advice *a, const hep_config *c, int world)
     printf("  %-40s %12lld %16lld %20lld\n", "worst case (W x T, max_recv_rows = 0)",
            a->worst_rows, a->worst_rows * a->row_bytes, a->dev_worst);
     printf("  (pass one as --max-recv-rows, config.max_recv_rows: both backends, any number of "
-           "nodes; these totals use --chunk %d)\n",
-           c->chunk_tokens);
+           "nodes; these totals use %s)\n",
+           chunk_words(c, p));
 }
 
 static void print_advice_json(hep_json *j, const advice *a)
@@ -167,7 +178,7 @@ static void print_text(const hep_plan_info *p, const hep_config *c)
         printf("with the worst case instead (max_recv_rows = 0): %lld bytes (%.3f GB) of device "
                "memory per rank\n",
                adv.dev_worst, (double)adv.dev_worst / 1e9);
-    print_advice_text(&adv, c, p->world);
+    print_advice_text(&adv, c, p, p->world);
 }
 
 static void print_json(const hep_plan_info *p, const hep_config *c)
@@ -243,9 +254,10 @@ int hep_cmd_plan(int argc, char **argv)
              "rows of the expert-major staging (GPU, the node's ranks in several processes; "
              "0 = none)"},
             {"chunk", CLI_INT, &c.chunk_tokens, 0, 1 << 30, NULL, "C",
-             "tokens per chunk of the inter-node rings (0 = one chunk of T per slot)"},
+             "tokens per chunk of the inter-node rings (0 = one chunk of T per slot; default: "
+             "the backend's, 512 on the GPU, 8 on the host)"},
             {"backend", CLI_CHOICE, &backend, 0, 0, "gpu|host", NULL,
-             "whose plan (the host backend's slots are rings of chunks)"},
+             "whose plan"},
             {"dtype", CLI_CHOICE, &dtype, 0, 0, "bf16|fp8", NULL, "dispatch payload"},
             {"json", CLI_FLAG, &as_json, 0, 0, NULL, NULL, "one JSON document on stdout"},
         };

@@ -40,6 +40,12 @@ typedef enum { HEP_BACKEND_GPU = 0, HEP_BACKEND_HOST = 1 } hep_backend;
 #define HEP_MAX_NODES_GPU 128
 #define HEP_MAX_RANKS_PER_NODE_HOST 64
 #define HEP_MAX_NODES_HOST 128
+/* config.chunk_tokens = HEP_CHUNK_DEFAULT (the default) takes the backend's default:
+ * HEP_CHUNK_DEFAULT_HOST tokens on the host backend, HEP_CHUNK_DEFAULT_GPU on the GPU
+ * kernels. Any other value means the same on both. */
+#define HEP_CHUNK_DEFAULT (-1)
+#define HEP_CHUNK_DEFAULT_HOST 8
+#define HEP_CHUNK_DEFAULT_GPU 512
 
 typedef struct hep_config {
     int hidden;           /* H: channels per token. BF16: a multiple of 8 (16-byte rows);
@@ -60,14 +66,21 @@ typedef struct hep_config {
     int dispatch_sms;     /* SMs (thread blocks) of one rank's dispatch kernel, 1..132.
                              Default 16. All co-located ranks of a GPU must fit together. */
     int combine_sms;      /* likewise for combine. Default 16. */
-    int chunk_tokens;     /* C: 0..4096, default 8. N > 1, host backend: each inter-node slot
-                             (receive, send staging, partial sums) is a ring of 2 chunks of C
-                             tokens, freed back to the sender by credits, so these buffers
-                             hold 2 x C rows per other node instead of T (0 = one chunk of
-                             T: no ring). 8: a chunk is still one large write (8 rows of
-                             H = 7168 BF16 are 115 KB) and the memory per rank stays almost
-                             flat in the number of nodes (`hybridep plan --chunk`). The GPU
-                             kernels still use one chunk of T per slot (C is ignored there). */
+    int chunk_tokens;     /* C: -1..4096, default HEP_CHUNK_DEFAULT (-1): the backend's
+                             default, 8 on the host backend, 512 on the GPU kernels. N > 1:
+                             each inter-node slot (receive, send staging, partial sums) is a
+                             ring of 2 chunks of C tokens, freed back to the sender by
+                             credits, so these buffers hold 2 x C rows per other node instead
+                             of T (0 = one chunk of T: no ring; a C with 2 x C >= T is one
+                             chunk position per C tokens that T needs). Host backend, 8: a
+                             chunk is still one large write (8 rows of H = 7168 BF16 are
+                             115 KB) and the memory per rank stays almost flat in the number
+                             of nodes. GPU, 512: a chunk costs the CPU proxy a round trip of
+                             its credit, so chunks are larger there; EP64 (8 x 8, T = 4096,
+                             H = 7168, BF16) plans 3.99 GB per rank with it, 4.60 GB with 0.
+                             The GPU kernels take the expert-major layout across nodes only
+                             where the ring holds the whole slot (2 x C >= T, or C = 0).
+                             `hybridep plan --chunk` shows the memory either way. */
     hep_backend backend;  /* GPU kernels (default) or the host backend (host memory, threads;
                              the reference semantics, and the CPU-only path). */
     int max_recv_rows;    /* receive capacity: rows the dispatch outputs of one rank hold
@@ -471,8 +484,8 @@ typedef struct hep_plan_info {
         const char *name;
         size_t bytes;
     } arenas[HEP_PLAN_MAX_ARENAS];
-    /* N > 1: each inter-node slot is a ring of ring_chunks chunks of chunk_tokens tokens,
-     * slot_tokens rows (the GPU kernels: one chunk of T) */
+    /* N > 1: each inter-node slot is a ring of ring_chunks chunks of chunk_tokens tokens
+     * (config.chunk_tokens resolved: the backend's default, or T for 0), slot_tokens rows */
     int chunk_tokens, ring_chunks;
     size_t slot_tokens;
 } hep_plan_info;

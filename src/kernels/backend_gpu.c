@@ -132,6 +132,11 @@ static int gpu_setup(hep_backend_ctx *g)
     if (g->N > 1) { /* the pack's scratch after the scan's block counts (layout/plan.c) */
         k->pack_off = k->block_counts + 132 * (size_t)g->world;
         k->md_blocks = k->pack_off + (size_t)g->cfg->max_tokens * (size_t)g->world;
+        k->slot_list = k->md_blocks + 132 * (size_t)g->world;
+        k->ring_ctr = k->slot_list + (size_t)g->cfg->max_tokens * (size_t)g->N;
+        k->ST = (int)g->plan->slot_tokens;
+        k->C = g->plan->chunk;
+        k->P = g->plan->ring;
     }
     k->host_counts = (int *)hep_be_buf(g, HEP_BUF_HOST_COUNTS);
     k->diag = (hep_diag *)(g->mapped_dev + g->plan->buf[HEP_BUF_DIAG].offset);
@@ -317,10 +322,11 @@ static int start_network(hep_backend_ctx *g, int phase, int S, void *stream, uin
     rc = proxy_done(g); /* an asynchronous call's batch before this one */
     if (rc)
         return rc;
-    ch = malloc(sizeof(*ch) * (size_t)(g->N - 1) * (5 * (size_t)S + 2));
+    (void)S;
+    ch = malloc(sizeof(*ch) * hep_wire_gpu_batch_max(g));
     if (!ch)
         return hep_fail(HEP_ERR_NOMEM, "%s: out of memory", phase ? "hep_combine" : "hep_dispatch");
-    n = hep_wire_gpu_batch(g, phase, S, probs, ch);
+    n = hep_wire_gpu_batch(g, phase, epoch, g->kargs->t, probs, ch);
     rc = hep_proxy_submit(g->proxy, ch, n, epoch);
     free(ch);
     return rc;

@@ -7,7 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include "kernels/lists.cuh"
+#include "kernels/ring.cuh"
 
 #ifndef GRAB
 #define GRAB 2 /* own tokens a warp takes at a time */
@@ -56,9 +56,9 @@ struct row_set {
 // vectors per lane of CD rows in flight together (CU x CD x 512 bytes a warp); the rows are
 // added one after another in the documented order, so every (CU, CD) gives the same bits.
 template <int CU, int CD, bool WIDE>
-__device__ __forceinline__ void sum_rows(const row_set &rs, const char *const *s_x,
-                                         const char *parts, int node, size_t rb, size_t T,
-                                         uint4 *out, const int *np, int nn)
+__device__ __forceinline__ void sum_rows(const hep_kargs &a, const row_set &rs,
+                                         const char *const *s_x, const char *parts, int node,
+                                         size_t rb, size_t ST, uint4 *out, const int *np, int nn)
 {
     const int lane = threadIdx.x & 31;
     const int nvec = (int)(rb / 16);
@@ -102,11 +102,12 @@ __device__ __forceinline__ void sum_rows(const row_set &rs, const char *const *s
         }
         for (int g0 = 0; WIDE && g0 < nn; g0 += 32) { // WIDE: np[M] for the nodes M < nn
             const int M0 = g0 + lane;
-            const int npos = M0 < nn && M0 != node ? np[M0] : -1;
+            const int q = M0 < nn && M0 != node ? np[M0] : -1;
+            const int npos = q >= 0 ? ring_row(a, q) : -1; /* its row in the ring */
             for (unsigned m = __ballot_sync(FULL, npos >= 0); m; m &= m - 1) {
                 const int q = __ffs(m) - 1;
                 const uint4 *src =
-                    (const uint4 *)(parts + ((size_t)slot_index(g0 + q, node) * T +
+                    (const uint4 *)(parts + ((size_t)slot_index(g0 + q, node) * ST +
                                              (size_t)__shfl_sync(FULL, npos, q)) *
                                                 rb);
                 uint4 v[CU];
@@ -122,7 +123,7 @@ __device__ __forceinline__ void sum_rows(const row_set &rs, const char *const *s
         }
         for (unsigned m = WIDE ? 0u : rs.nmask; m; m &= m - 1) { // the other nodes' partial sums
             const int M = __ffs(m) - 1;
-            const uint4 *src = (const uint4 *)(parts + ((size_t)slot_index(M, node) * T +
+            const uint4 *src = (const uint4 *)(parts + ((size_t)slot_index(M, node) * ST +
                                                         (size_t)__shfl_sync(FULL, rs.npos, M)) *
                                                            rb);
             uint4 v[CU];
@@ -191,6 +192,8 @@ __device__ __forceinline__ void combine_row(const hep_kargs &a, const char *cons
         rs.row = -1; /* dropped at dispatch (HEP_ASYNC past the capacity): contributes 0 */
     rs.mask = __ballot_sync(FULL, rs.row >= 0);
     rs.npos = !WIDE && parts && lane < a.N && lane != a.node ? np[lane] : -1;
+    if (rs.npos >= 0) /* the row of its partial sum in that node's ring */
+        rs.npos = ring_row(a, rs.npos);
     rs.nmask = __ballot_sync(FULL, rs.npos >= 0);
     int n = __popc(rs.mask) + __popc(rs.nmask);
     const uint4 *part1 = NULL; /* WIDE: the first partial sum (the row when n == 1) */
@@ -199,9 +202,10 @@ __device__ __forceinline__ void combine_row(const hep_kargs &a, const char *cons
         const int p = M < a.N && M != a.node ? np[M] : -1;
         const unsigned bl = __ballot_sync(FULL, p >= 0);
         if (bl && !part1)
-            part1 = (const uint4 *)(parts + ((size_t)slot_index(g0 + __ffs(bl) - 1, a.node) * T +
-                                             (size_t)__shfl_sync(FULL, p, __ffs(bl) - 1)) *
-                                                rb);
+            part1 = (const uint4 *)(parts +
+                                    ((size_t)slot_index(g0 + __ffs(bl) - 1, a.node) * a.ST +
+                                     (size_t)ring_row(a, __shfl_sync(FULL, p, __ffs(bl) - 1))) *
+                                        rb);
         n += __popc(bl);
     }
     if (n == 1) {
@@ -213,7 +217,7 @@ __device__ __forceinline__ void combine_row(const hep_kargs &a, const char *cons
             src = part1;
         } else {
             const int M = __ffs(rs.nmask) - 1;
-            src = (const uint4 *)(parts + ((size_t)slot_index(M, a.node) * T +
+            src = (const uint4 *)(parts + ((size_t)slot_index(M, a.node) * a.ST +
                                            (size_t)__shfl_sync(FULL, rs.npos, M)) * rb);
         }
         copy_row(src, out, rb);
@@ -223,7 +227,7 @@ __device__ __forceinline__ void combine_row(const hep_kargs &a, const char *cons
             out[k] = z;
     }
     else
-        sum_rows<4, 2, WIDE>(rs, s_x, parts, a.node, rb, T, out, np, a.N);
+        sum_rows<4, 2, WIDE>(a, rs, s_x, parts, a.node, rb, (size_t)a.ST, out, np, a.N);
 }
 
 // An own token's row (N > 32: the wide count of the other nodes' partial sums).
@@ -243,12 +247,12 @@ __device__ __forceinline__ void combine_own(const hep_kargs &a, const char *cons
 // COMBINE_READY, which this kernel acquired). Across nodes an expert x of node M comes from
 // M's row of the token's partial probabilities (node_probs there; landed before the flag
 // this kernel waited for), at the token's row in M's slot.
-__device__ void combine_probs(const hep_kargs &a, int gw, int nw)
+__device__ __forceinline__ void combine_probs_token(const hep_kargs &a, int i)
 {
     const int lane = threadIdx.x & 31, El = a.El;
     const size_t E = (size_t)El * a.R * a.N, T = (size_t)a.T;
     const int Enode = El * a.R, first = a.rank0 * El;
-    for (int i = gw; i < a.t; i += nw) {
+    {
         float *po = a.probs_out + (size_t)i * E;
         for (size_t j = (size_t)lane; j < E; j += 32)
             po[j] = 0.f;
@@ -262,12 +266,18 @@ __device__ void combine_probs(const hep_kargs &a, int gw, int nw)
             if (!a.cap || row < a.cap) /* a dropped row's stays 0 */
                 po[x] = __ldcg(a.prob[d] + (size_t)row * El + ex);
         } else if (x >= 0) {
-            const int p = a.node_pos[(size_t)i * a.N + M];
-            po[x] = __ldcg(a.part_prob + ((size_t)slot_index(M, a.node) * T + p) * Enode +
+            const int p = ring_row(a, a.node_pos[(size_t)i * a.N + M]);
+            po[x] = __ldcg(a.part_prob + ((size_t)slot_index(M, a.node) * a.ST + p) * Enode +
                            (x - M * Enode));
         }
         __syncwarp();
     }
+}
+
+__device__ void combine_probs(const hep_kargs &a, int gw, int nw)
+{
+    for (int i = gw; i < a.t; i += nw)
+        combine_probs_token(a, i);
 }
 
 // Across nodes with probabilities (the peer's side of combine_probs): token i of list L
@@ -300,6 +310,8 @@ __device__ __forceinline__ void combine_done(const hep_kargs &a, unsigned long l
         if (atomicAdd(done, 1u) == gridDim.x - 1) {
             a.work[HEP_WORK_COMBINE] = 0;
             *done = 0;
+            for (int j = 0; a.N > 1 && j < 3 * a.N * HEP_RING_DEPTH; j++)
+                ring_ctr(a, 1, 0, 0)[j] = 0; /* the next combine's ring counters */
             *a.cepoch = c;
             fence_peers(a);
             st_release_peers(a, a.flags[a.local] + HEP_FLAG_COMBINE_DONE, c);
@@ -383,7 +395,9 @@ __device__ __forceinline__ void em_combine_row(const hep_kargs &a, const char *c
         for (int g0 = 0; g0 < a.N; g0 += 32) {
             const int M = g0 + lane;
             const int p = M < a.N && M != a.node ? np[M] : -1;
-            const char *src = p >= 0 ? parts + ((size_t)slot_index(M, a.node) * T + p) * rb : NULL;
+            const char *src =
+                p >= 0 ? parts + ((size_t)slot_index(M, a.node) * a.ST + ring_row(a, p)) * rb
+                       : NULL;
             const unsigned bl = __ballot_sync(FULL, p >= 0);
             for (unsigned q = bl; q; q &= q - 1, m++) {
                 const char *sq = (const char *)__shfl_sync(FULL, (unsigned long long)src, __ffs(q) - 1);
@@ -442,13 +456,14 @@ __device__ __forceinline__ void em_combine_row(const hep_kargs &a, const char *c
 // elsewhere. Across nodes an expert x of node M comes from M's dense row of the token's
 // probabilities (em_node_probs there; landed before the flag this kernel waited for), at
 // the token's row in M's slot, as in rank-major (combine_probs).
-__device__ void em_combine_probs(const hep_kargs &a, const float *const *s_pin, int gw, int nw)
+__device__ __forceinline__ void em_combine_probs_token(const hep_kargs &a,
+                                                       const float *const *s_pin, int i)
 {
     const int lane = threadIdx.x & 31, El = a.El, K = a.K;
     const int Enode = El * a.R, first = a.rank0 * El;
     const size_t E = (size_t)Enode * a.N, T = (size_t)a.T;
     const int *epos = a.epos + (size_t)a.node * T * a.kmax;
-    for (int i = gw; i < a.t; i += nw) {
+    {
         float *po = a.probs_out + (size_t)i * E;
         for (size_t j = (size_t)lane; j < E; j += 32)
             po[j] = 0.f;
@@ -461,12 +476,18 @@ __device__ void em_combine_probs(const hep_kargs &a, const float *const *s_pin, 
             if (pin)
                 po[x] = __ldcg(pin + pos);
         } else if (x >= 0) {
-            const int p = a.node_pos[(size_t)i * a.N + M];
-            po[x] = __ldcg(a.part_prob + ((size_t)slot_index(M, a.node) * T + p) * Enode +
+            const int p = ring_row(a, a.node_pos[(size_t)i * a.N + M]);
+            po[x] = __ldcg(a.part_prob + ((size_t)slot_index(M, a.node) * a.ST + p) * Enode +
                            (x - M * Enode));
         }
         __syncwarp();
     }
+}
+
+__device__ void em_combine_probs(const hep_kargs &a, const float *const *s_pin, int gw, int nw)
+{
+    for (int i = gw; i < a.t; i += nw)
+        em_combine_probs_token(a, s_pin, i);
 }
 
 // Across nodes with probabilities, expert-major (the peer's side of em_combine_probs):
@@ -508,17 +529,255 @@ __device__ __forceinline__ void em_wait_readers(const hep_kargs &a, unsigned lon
 
 static_assert(COMBINE_THREADS >= HEP_GPU_MAX_NODES, "one thread per node (tid < N)");
 
+// ---- N > 1: the partial sums' rings (kernels/ring.cuh). Warps have static roles: in every
+// block the first RED_WARPS reduce the other nodes' slots into the rings to them (the peer's
+// side), the others sum this rank's own tokens (the owner's side), so that no warp waits for
+// a credit while it is the one that would free a chunk, or the reverse.
+#define RED_WARPS (COMBINE_THREADS / 64)
+
+// Owner side, one warp: token i's partial sums from the other nodes landed (the chunk of
+// its row in each node's ring). false when a wait gave up.
+__device__ __forceinline__ bool own_wait(const hep_kargs &a, int i, unsigned long long c)
+{
+    const int lane = threadIdx.x & 31;
+    bool ok = true;
+    for (int g0 = 0; g0 < a.N; g0 += 32) {
+        const int M = g0 + lane;
+        const int q = M < a.N && M != a.node ? a.node_pos[(size_t)i * a.N + M] : -1;
+        if (q >= 0)
+            ok = ring_wait_landed(a, a.part_words, slot_index(M, a.node), M, q / a.C, c,
+                                  HEP_STAGE_NODE_COMBINE);
+    }
+    return __all_sync(FULL, ok);
+}
+
+// ... and once its partial sums (and probabilities) were read: each counts as one token of
+// its chunk; the token that completes a chunk (C tokens: only full chunks are freed, and
+// only they are waited for) frees it.
+__device__ __forceinline__ bool own_free(const hep_kargs &a, int i, unsigned long long c)
+{
+    const int lane = threadIdx.x & 31;
+    bool ok = true;
+    __syncwarp();
+    __threadfence(); /* the reads are done */
+    for (int g0 = 0; g0 < a.N; g0 += 32) {
+        const int M = g0 + lane;
+        const int q = M < a.N && M != a.node ? a.node_pos[(size_t)i * a.N + M] : -1;
+        if (q >= 0)
+            ok = ring_consumed(a, 1, (unsigned long long *)a.part_words, slot_index(M, a.node), M,
+                               q / a.C, 1, a.C, c);
+    }
+    return __all_sync(FULL, ok);
+}
+
+// Reducer side, one warp (rw of nrw reducing warps in the grid): every other node's slot
+// here, chunk by chunk into the ring to that node, each chunk's rows shared by all
+// reducing warps, the last one publishing it. A warp never blocks on one ring: it goes on
+// with any other ring whose next chunk has its credit, so a ring waits only for its own
+// chunks' credits (its source frees chunk k after reading its tokens of it, which needs
+// only the earlier chunks of the rings to it: no wait goes round in a circle). A warp that
+// moves nothing for HEP_TIMEOUT_MS gives up naming the peer whose credit is missing.
+template <bool EM>
+__device__ bool reduce_rings(const hep_kargs &a, const char *const *s_x, const float *const *s_pin,
+                             int rw, int nrw, unsigned long long c, int *cur)
+{
+    const int lane = threadIdx.x & 31, N = a.N, R = a.R, C = a.C, P = a.P;
+    const size_t rb = (size_t)a.H * 2, ST = (size_t)a.ST, B = ring_base_word(a);
+    for (int j = lane; j < N; j += 32)
+        cur[j] = 0;
+    __syncwarp();
+    unsigned long long start = now_ns(), seen = 0;
+    unsigned spins = 0;
+    int stuck = -1;
+    for (;;) {
+        bool done = true, moved = false;
+        for (int L = 0; L < N; L++) {
+            if (L == a.node)
+                continue;
+            const int s = slot_index(L, a.node), cnt = a.slot_rows[s], n = ring_chunks(cnt, C);
+            int k = cur[L];
+            while (k < n) {
+                if (k >= P) { /* the credit for chunk k - P, the position chunk k takes */
+                    unsigned long long v = lane == 0 ? ld_relaxed(a.red_words + B + L) : 0;
+                    v = __shfl_sync(FULL, v, 0);
+                    if (v < HEP_RING_VAL(c, k - P + 1)) {
+                        stuck = L, seen = v;
+                        break;
+                    }
+                    fence_acquire(true);
+                }
+                const int rows = min(C, cnt - k * C);
+                const int mybase = lane < R ? ld_l2(a.meta + L * R + lane) : 0;
+                int w0, w1;
+                warp_range(0, rows, rw, nrw, w0, w1);
+                for (int r = w0; r < w1; r++) {
+                    const int q = k * C + r;
+                    const size_t row = (size_t)s * ST + (size_t)ring_row(a, q);
+                    uint4 *red = (uint4 *)(a.red_token + row * rb);
+                    if (EM)
+                        em_combine_row(a, s_x, L, q, red, NULL);
+                    else
+                        combine_row<false>(a, s_x, L, q, mybase, red, NULL);
+                    if (a.probs_out) { /* every rank of the call alike */
+                        float *pr = a.red_prob + row * R * a.El;
+                        if (EM)
+                            em_node_probs(a, s_pin, L, q, pr);
+                        else
+                            node_probs(a, L, q, pr);
+                    }
+                }
+                __syncwarp();
+                if (lane == 0) {
+                    __threadfence_system(); /* this warp's rows before its count */
+                    if (ring_produced(a, 1, L, k, nrw)) {
+                        __threadfence_system();
+                        ring_publish(a, 1, a.red_words, L, k, rows, c);
+                    }
+                }
+                k++;
+                moved = true;
+            }
+            __syncwarp();
+            if (lane == 0)
+                cur[L] = k;
+            __syncwarp();
+            done &= k >= n;
+        }
+        if (done)
+            return true;
+        if (moved) {
+            start = now_ns();
+            continue;
+        }
+        __nanosleep(128);
+        if ((++spins & 15) == 0) {
+            if (aborted(a))
+                return false;
+            const unsigned long long waited = now_ns() - start;
+            if (waited > a.timeout_ns) {
+                if (lane == 0)
+                    give_up(a.abort, a.diag, a.flags[a.local] + HEP_FLAG_BLAME,
+                            HEP_STAGE_NODE_COMBINE, stuck * R + a.local, 0,
+                            HEP_RING_VAL(c, cur[stuck] - P + 1), seen, waited);
+                return false;
+            }
+        }
+    }
+}
+
+// Block 0, before the rings: what the batch does not need. The ring to node M carries M's
+// slot here; the ring from M the partial sums of this rank's tokens that went to M (the
+// handle's node_pos: their rows there). Also each slot's final count and flag, which the
+// proxy posts after every chunk to M.
+__device__ void ring_combine_setup(const hep_kargs &a, unsigned long long c)
+{
+    __shared__ int own[HEP_GPU_MAX_NODES];
+    const int N = a.N, tid = threadIdx.x;
+    if (tid < N)
+        own[tid] = 0;
+    __syncthreads();
+    for (size_t k = tid; k < (size_t)a.t * N; k += blockDim.x)
+        if ((int)(k % N) != a.node && a.node_pos[k] >= 0)
+            atomicAdd(&own[k % N], 1);
+    __syncthreads();
+    if (tid < N && tid != a.node) {
+        const int cnt = a.slot_rows[slot_index(tid, a.node)];
+        ring_skips(a, 1, tid, ring_chunks(cnt, a.C), ring_chunks(own[tid], a.C), c);
+        a.red_words[tid] = (unsigned long long)cnt;
+        a.red_words[N + tid] = c;
+        __threadfence_system();
+        st_release(a.px + HEP_PX_WORD(N, 1, tid) + 3 * HEP_PX_MAX_BLOCKS, c);
+    }
+}
+
+// The owner's side: this rank's own tokens, each the f32 sum of its rows at the node-mates
+// and (N > 1) the other nodes' partial sums, with its probabilities (probs_out); across
+// nodes a token waits for the chunks of its partial sums and frees them once read. The
+// owning warps: all of them on one node, the last COMBINE_THREADS / 32 - RED_WARPS of each
+// block across nodes.
+template <bool EM>
+__device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const *s_x,
+                                           const float *const *s_pin, unsigned long long c,
+                                           int first_grab)
+{
+    const int R = a.R, N = a.N, lane = threadIdx.x & 31, S = gridDim.x, b = blockIdx.x;
+    const int wpb = blockDim.x >> 5, warp = threadIdx.x >> 5, skip = N > 1 ? RED_WARPS : 0;
+    const int gw = b * (wpb - skip) + warp - skip, nw = S * (wpb - skip);
+    const size_t rb = (size_t)a.H * 2;
+    const int mybase = lane < R ? ld_l2(a.meta + a.node * R + lane) : 0;
+    const char *parts = N > 1 ? a.part_token : NULL;
+#ifdef HEP_STATIC_TOKENS
+    int w0, w1;
+    warp_range(0, a.t, gw, nw, w0, w1);
+    for (int i = w0; i < w1; i++) {
+        uint4 *out = (uint4 *)((char *)a.combine_out + (size_t)i * rb);
+        if (N > 1 && !own_wait(a, i, c))
+            return false;
+        if (EM)
+            em_combine_row(a, s_x, a.node, i, out, parts);
+        else
+            combine_own(a, s_x, i, mybase, out, parts);
+        if (N > 1 && a.probs_out) {
+            if (EM)
+                em_combine_probs_token(a, s_pin, i);
+            else
+                combine_probs_token(a, i);
+        }
+        if (N > 1 && !own_free(a, i, c))
+            return false;
+    }
+    (void)first_grab;
+#else
+    // Every warp of the rank takes the next GRAB own tokens from the rank's work counter
+    // until none are left, so that no warp idles while another still has rows: the rank
+    // ends with its last token, not with its slowest block. The next grab is asked for
+    // before the current tokens are summed, so its round trip hides behind them. (The
+    // positions are the dispatch's, complete before this kernel.)
+    unsigned *work = a.work + HEP_WORK_COMBINE;
+    int next = __shfl_sync(FULL, first_grab, 0);
+    while (next < a.t) {
+        const int i0 = next;
+        int pending = 0;
+        if (lane == 0)
+            pending = (int)atomicAdd(work, GRAB);
+        for (int i = i0; i < min(a.t, i0 + GRAB); i++) {
+            uint4 *out = (uint4 *)((char *)a.combine_out + (size_t)i * rb);
+            if (N > 1 && !own_wait(a, i, c))
+                return false;
+            if (EM)
+                em_combine_row(a, s_x, a.node, i, out, parts);
+            else
+                combine_own(a, s_x, i, mybase, out, parts);
+            if (N > 1 && a.probs_out) { /* read before the chunks are freed */
+                if (EM)
+                    em_combine_probs_token(a, s_pin, i);
+                else
+                    combine_probs_token(a, i);
+            }
+            if (N > 1 && !own_free(a, i, c))
+                return false;
+        }
+        next = __shfl_sync(FULL, pending, 0);
+    }
+#endif
+    if (N == 1 && a.probs_out) {
+        if (EM)
+            em_combine_probs(a, s_pin, gw, nw);
+        else
+            combine_probs(a, gw, nw);
+    }
+    return true;
+}
+
 template <bool EM>
 __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
 {
     const int R = a.R, N = a.N, tid = threadIdx.x, S = gridDim.x, b = blockIdx.x;
-    const int lane = tid & 31, wpb = blockDim.x >> 5, warp = tid >> 5;
-    const int gw = b * wpb + warp, nw = S * wpb;
-    const size_t rb = (size_t)a.H * 2, T = (size_t)a.T;
+    const int lane = tid & 31, warp = tid >> 5;
+    const bool red = N > 1 && warp < RED_WARPS; /* a reducing warp (across nodes) */
     const unsigned long long e = *a.epoch, c = *a.cepoch + 1;
     __shared__ const char *s_x[HEP_GPU_MAX_LOCAL]; /* see k_dispatch */
     __shared__ const float *s_pin[HEP_GPU_MAX_LOCAL]; /* EM: the node-mates' probs_in */
-    __shared__ int s_last;
     if (ld_l2(a.over)) /* the dispatch exceeded the capacity: no layout (every rank alike) */
         return;
     block_start_jitter(a, e);
@@ -526,8 +785,9 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
         s_x[tid] = a.x[tid];
 #ifndef HEP_STATIC_TOKENS
     /* the first grab of own tokens, asked for now: its round trip hides behind the waits */
-    unsigned *work = a.work + HEP_WORK_COMBINE;
-    const int first_grab = lane == 0 ? (int)atomicAdd(work, GRAB) : 0;
+    const int first_grab = lane == 0 && !red ? (int)atomicAdd(a.work + HEP_WORK_COMBINE, GRAB) : 0;
+#else
+    const int first_grab = 0;
 #endif
 
     if (N > 1 && b == 0 && tid < N && tid != a.node) {
@@ -562,92 +822,15 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     if (!block_all(ok))
         return;
     if (N > 1) {
-        for (int L = 0; L < N; L++) {
-            if (L == a.node)
-                continue;
-            const int s = slot_index(L, a.node), t = a.slot_rows[s];
-            const int mybase = lane < R ? ld_l2(a.meta + L * R + lane) : 0;
-            int t0, t1, w0, w1;
-            block_range(t, b, S, t0, t1);
-            warp_range(t0, t1, warp, wpb, w0, w1);
-            for (int i = w0; i < w1; i++) {
-                uint4 *red = (uint4 *)(a.red_token + ((size_t)s * T + i) * rb);
-                if (EM) {
-                    em_combine_row(a, s_x, L, i, red, NULL);
-                    if (a.probs_out) /* every rank of the call alike */
-                        em_node_probs(a, s_pin, L, i, a.red_prob + ((size_t)s * T + i) * R * a.El);
-                    continue;
-                }
-                combine_row<false>(a, s_x, L, i, mybase, red, NULL);
-                if (a.probs_out) /* every rank of the call alike */
-                    node_probs(a, L, i, a.red_prob + ((size_t)s * T + i) * R * a.El);
-            }
-            __syncthreads();
-            if (tid == 0) {
-                unsigned long long *w = a.px + HEP_PX_WORD(N, 1, L) + 3 * b;
-                __threadfence_system();
-                w[1] = (unsigned long long)t0;
-                w[2] = (unsigned long long)(t1 - t0);
-                __threadfence_system();
-                st_release(w, c);
-            }
-        }
-        if (tid == 0) {
-            __threadfence_system();
-            s_last = atomicAdd(a.combine_done, 1ull) == c * (unsigned long long)S - 1;
-        }
-        __syncthreads();
-        if (s_last && tid < N && tid != a.node) {
-            __threadfence();
-            a.red_words[tid] = (unsigned long long)a.slot_rows[slot_index(tid, a.node)];
-            a.red_words[N + tid] = c;
-            __threadfence_system();
-            st_release(a.px + HEP_PX_WORD(N, 1, tid) + 3 * HEP_PX_MAX_BLOCKS, c);
-        }
-        if (!wait_slots(a, a.part_words + N, c, HEP_STAGE_NODE_COMBINE))
+        __shared__ int s_cur[COMBINE_THREADS / 32][HEP_GPU_MAX_NODES]; /* reducers' cursors */
+        if (b == 0)
+            ring_combine_setup(a, c);
+        if (red && !reduce_rings<EM>(a, s_x, s_pin, b * RED_WARPS + warp, S * RED_WARPS, c,
+                                     s_cur[warp]))
             return;
     }
-    const int mybase = lane < R ? ld_l2(a.meta + a.node * R + lane) : 0;
-    const char *parts = N > 1 ? a.part_token : NULL;
-#ifdef HEP_STATIC_TOKENS
-    int w0, w1;
-    warp_range(0, a.t, gw, nw, w0, w1);
-    for (int i = w0; i < w1; i++) {
-        uint4 *out = (uint4 *)((char *)a.combine_out + (size_t)i * rb);
-        if (EM)
-            em_combine_row(a, s_x, a.node, i, out, parts);
-        else
-            combine_own(a, s_x, i, mybase, out, parts);
-    }
-#else
-    // Every warp of the rank takes the next GRAB own tokens from the rank's work counter
-    // until none are left, so that no warp idles while another still has rows: the rank
-    // ends with its last token, not with its slowest block. The next grab is asked for
-    // before the current tokens are summed, so its round trip hides behind them. (The
-    // positions are the dispatch's, complete before this kernel.)
-    int next = __shfl_sync(FULL, first_grab, 0);
-    while (next < a.t) {
-        const int i0 = next;
-        int pending = 0;
-        if (lane == 0)
-            pending = (int)atomicAdd(work, GRAB);
-        for (int i = i0; i < min(a.t, i0 + GRAB); i++) {
-            uint4 *out = (uint4 *)((char *)a.combine_out + (size_t)i * rb);
-            if (EM)
-                em_combine_row(a, s_x, a.node, i, out, parts);
-            else
-                combine_own(a, s_x, i, mybase, out, parts);
-        }
-        next = __shfl_sync(FULL, pending, 0);
-    }
-    (void)gw, (void)nw;
-#endif
-    if (a.probs_out) {
-        if (EM)
-            em_combine_probs(a, s_pin, gw, nw);
-        else
-            combine_probs(a, gw, nw);
-    }
+    if (!red && !own_tokens<EM>(a, s_x, s_pin, c, first_grab))
+        return;
     combine_done(a, c);
     if (EM && !a.em_stage) /* staged: the caller's memory was copied; k_em_stage_in of the
                               next combine waits for the readers of the staging instead */

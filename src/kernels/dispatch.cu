@@ -13,6 +13,7 @@
 #endif
 
 #include "kernels/layout.cuh"
+#include "kernels/ring.cuh"
 
 /* Tuning (bench/NOTES.md has what was measured): threads per block; 16-byte vectors per
  * lane in flight (DU); a row is cut into equal passes of at most 32 x DU vectors. */
@@ -259,6 +260,190 @@ __device__ void record_routing(const hep_kargs &a)
 
 static_assert(DISPATCH_THREADS >= HEP_GPU_MAX_NODES, "one thread per other node (wait_slots)");
 
+// ---- N > 1: the inter-node rings (kernels/ring.cuh), both sides in this kernel.
+
+// This block's share of chunk k (`rows` tokens) of the ring to node m: each token's row,
+// sanitized routing, offsets at m's ranks (the pack's) and scales into position k % P of
+// the send staging, one warp a token.
+__device__ void pack_chunk(const hep_kargs &a, int m, int k, int rows)
+{
+    const int lane = threadIdx.x & 31, R = a.R, N = a.N;
+    const long long E = (long long)a.El * R * N;
+    const size_t rb = (size_t)a.H * a.esize, nvec = rb / 16, ST = (size_t)a.ST;
+    const size_t j = (size_t)slot_index(m, a.node);
+    const size_t row0 = (size_t)(k % a.P) * a.C;
+    int *route = a.send_route + j * ST * (size_t)HEP_GPU_ROUTE_WORDS(a.kmax, R);
+    const int *list = a.slot_list + (size_t)m * a.T + (size_t)k * a.C;
+    int r0, r1, w0, w1;
+    block_range(rows, blockIdx.x, gridDim.x, r0, r1);
+    warp_range(r0, r1, threadIdx.x >> 5, blockDim.x >> 5, w0, w1);
+    for (int r = w0; r < w1; r++) {
+        const int i = list[r];
+        const size_t row = row0 + (size_t)r;
+        long long myid = lane < a.K ? topk_at(a, i, lane) : -1;
+        if (myid < -1 || myid >= E)
+            myid = -1; /* reported by the scan; travels as an unused slot */
+        const float myw = lane < a.K ? a.weights[(size_t)i * a.K + lane] : 0.f;
+        const uint4 *src = (const uint4 *)((const char *)a.tokens + (size_t)i * rb);
+        uint4 *dst = (uint4 *)(a.send_token + (j * ST + row) * rb);
+        for (size_t v = lane; v < nvec; v += 32)
+            dst[v] = __ldg(src + v);
+        if (lane < a.kmax) {
+            route[row * a.kmax + lane] = (int)myid;
+            ((float *)route)[(ST + row) * a.kmax + lane] = myw;
+        }
+        if (lane < R)
+            route[2 * ST * a.kmax + row * R + lane] = a.pack_off[((size_t)i * N + m) * R + lane];
+        for (int c = lane; c < a.nscale; c += 32)
+            a.send_scale[(j * ST + row) * a.nscale + c] = a.scales[(size_t)i * a.nscale + c];
+    }
+}
+
+// Chunk k of the ring to node m (n chunks this call): once its credit came (chunk k - P
+// freed), every block packs its share; the last one publishes it. false when a wait gave up.
+__device__ bool send_chunk(const hep_kargs &a, int m, int k, int n, int cnt, unsigned long long e)
+{
+    if (k >= n)
+        return true;
+    bool ok = true;
+    if (threadIdx.x == 0)
+        ok = ring_wait_credit(a, a.send_words, m, k, e, HEP_STAGE_NODE_DISPATCH);
+    if (!block_all(ok))
+        return false;
+    const int rows = min(a.C, cnt - k * a.C);
+    pack_chunk(a, m, k, rows);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system(); /* this block's rows before its count */
+        if (ring_produced(a, 0, m, k, gridDim.x)) {
+            __threadfence_system(); /* every block's rows before the proxy sees them */
+            ring_publish(a, 0, a.send_words, m, k, rows, e);
+        }
+    }
+    return true;
+}
+
+// HEP_ASYNC past the capacity: this rank's published counts of list L, off which its
+// dropped rows' experts come (NULL: no drop).
+__device__ __forceinline__ int *drop_at(const hep_kargs &a, int *drop_base, int L)
+{
+    return drop_base ? drop_base + (size_t)L * a.R * (a.El + 1) : NULL;
+}
+
+// The rows of position p of slot s here (`rows` tokens of a chunk) as a list view.
+__device__ __forceinline__ lview ring_view(const hep_kargs &a, int s, int p, int rows)
+{
+    const size_t ST = (size_t)a.ST, row0 = (size_t)s * ST + (size_t)p * a.C;
+    const int *route = a.slot_route + (size_t)s * ST * HEP_GPU_ROUTE_WORDS(a.kmax, a.R);
+    lview v;
+    v.t = rows, v.K = a.kmax, v.slot = 1;
+    v.tok = a.slot_token + row0 * a.H * a.esize;
+    v.scl = a.slot_scale ? a.slot_scale + row0 * a.nscale : NULL;
+    v.ids = route + (size_t)p * a.C * a.kmax;
+    v.w = (const float *)(route + ST * a.kmax) + (size_t)p * a.C * a.kmax;
+    v.off = route + 2 * ST * a.kmax + (size_t)p * a.C * a.R;
+    return v;
+}
+
+// Chunk k of the ring from node L (its slot s here, cnt tokens, n chunks): once it landed,
+// every block forwards its share to the node-mates (nothing when the layout exceeded the
+// receive capacity: the chunk is still consumed), and the last block frees it.
+__device__ bool forward_chunk(const hep_kargs &a, int L, int k, int n, int cnt, bool over,
+                              unsigned long long e, char *const *s_x, float *const *s_prob,
+                              float *const *s_scale, int *drop_cnt)
+{
+    if (k >= n)
+        return true;
+    const int s = slot_index(L, a.node), lane = threadIdx.x & 31;
+    bool ok = true;
+    if (threadIdx.x == 0)
+        ok = ring_wait_landed(a, a.slot_words, s, L, k, e, HEP_STAGE_NODE_DISPATCH);
+    if (!block_all(ok))
+        return false;
+    const int rows = min(a.C, cnt - k * a.C);
+    if (!over) {
+        const lview v = ring_view(a, s, k % a.P, rows);
+        const int mybase = lane < a.R ? ld_l2(a.meta + L * a.R + lane) : 0;
+        int r0, r1, w0, w1;
+        block_range(rows, blockIdx.x, gridDim.x, r0, r1);
+        warp_range(r0, r1, threadIdx.x >> 5, blockDim.x >> 5, w0, w1);
+        for (int r = w0; r < w1; r++)
+            push_token(a, v, L, k * a.C + r, r, mybase, s_x, s_prob, s_scale, drop_cnt);
+        bulk_wait_all(); /* HEP_BULK_STORES: the chunk's copies are done */
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence(); /* this block's reads of the chunk are done */
+        ok = ring_consumed(a, 0, (unsigned long long *)a.slot_words, s, L, k, 1, gridDim.x, e);
+    }
+    return block_all(ok);
+}
+
+// Every block, after the layout was released: each ring's tokens (the received count words
+// of the slots, landed with their count blocks; the pack's of the own rings); block 0 keeps
+// the slots' for combine and publishes which credits the senders wait for.
+__device__ bool ring_counts(const hep_kargs &a, unsigned long long e, int *cin, int *cout)
+{
+    const int N = a.N, tid = threadIdx.x;
+    if (!wait_slots(a, a.slot_words + 2 * N, e, HEP_STAGE_NODE_DISPATCH))
+        return false;
+    if (tid < N && tid != a.node) {
+        const int s = slot_index(tid, a.node);
+        cin[tid] = (int)ld_relaxed(a.slot_words + s);
+        cout[tid] = (int)ld_relaxed(a.send_words + tid);
+        if (blockIdx.x == 0) {
+            a.slot_rows[s] = cin[tid]; /* the layout keeps them for its combines */
+            ring_skips(a, 0, tid, -1, ring_chunks(cin[tid], a.C), e);
+        }
+    } else if (tid < N) {
+        cin[tid] = cout[tid] = 0;
+    }
+    __syncthreads();
+    return true;
+}
+
+// Dispatch across nodes (own: rank-major, else only the sends of the expert-major layout,
+// whose rings hold their slots whole): the rings' chunks 0..P-1 go out first (no credit), then
+// the own tokens, then step k = 0, 1, ...: forward chunk k of every ring received, then send
+// chunk k + P of every ring sent (its credit is chunk k's at the receiver).
+// Deadlock freedom (all ranks' kernels co-resident, as the node's flags already require):
+// suppose every block of every rank finished the steps before k. Chunk k of every ring was
+// sent at step k - P (or first), so it lands and every block forwards it, waiting for
+// nothing else; so each chunk k is freed everywhere, and the sends of step k, which wait
+// for exactly those credits, go out. No block ever waits for a credit that only its own
+// rank's later step would give.
+__device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool over, bool own,
+                              char *const *s_x, float *const *s_prob, float *const *s_scale,
+                              int *drop_base)
+{
+    __shared__ int cin[HEP_GPU_MAX_NODES], cout[HEP_GPU_MAX_NODES];
+    const int N = a.N, C = a.C, P = a.P;
+    if (!ring_counts(a, e, cin, cout))
+        return false;
+    int steps = 0;
+    for (int m = 0; m < N; m++)
+        steps = max(steps, max(ring_chunks(cin[m], C), ring_chunks(cout[m], C) - P));
+    for (int k = 0; k < P; k++)
+        for (int m = 0; m < N; m++)
+            if (m != a.node && !send_chunk(a, m, k, ring_chunks(cout[m], C), cout[m], e))
+                return false;
+    if (!own) /* expert-major: the ring holds the whole slot, read once its flag came */
+        return true;
+    if (!over)
+        push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale,
+                  drop_at(a, drop_base, a.node));
+    for (int k = 0; k < steps; k++) {
+        for (int L = 0; L < N; L++)
+            if (L != a.node && !forward_chunk(a, L, k, ring_chunks(cin[L], C), cin[L], over, e,
+                                              s_x, s_prob, s_scale, drop_at(a, drop_base, L)))
+                return false;
+        for (int m = 0; m < N; m++)
+            if (m != a.node && !send_chunk(a, m, k + P, ring_chunks(cout[m], C), cout[m], e))
+                return false;
+    }
+    return true;
+}
+
 #include "kernels/expert_major.cuh"
 
 // EM: the expert-major layout (kernels/expert_major.cuh); the rank-major kernel is the
@@ -351,35 +536,29 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     // every slot is still waited for and consumed, so that every sender finishes)
     const bool over = a.cap && ld_l2(a.over);
     if (EM) { /* then the slots */
+        if (N > 1) { /* the ring holds each whole slot (group/ep.c): no credits, no steps */
+            if (!ring_dispatch(a, e, over, false, s_x, s_prob, s_scale, NULL))
+                return;
+        }
         if (!over)
             em_push(a, s, s_x, s_prob, s_scale);
         if (N > 1) {
             if (!wait_slots(a, a.slot_words + N, e, HEP_STAGE_NODE_DISPATCH))
                 return;
-            if (b == 0 && tid < N - 1) /* the layout keeps them for its combines */
-                a.slot_rows[tid] = (int)ld_relaxed(a.slot_words + tid);
             if (!em_push_slots(a, e, s, s_x, s_prob, s_scale, !over))
                 return;
         }
         arrive_all(a, e);
         return;
     }
-    if (!over)
-        push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale,
-                  a.drop ? mine + (size_t)a.node * R * (a.El + 1) : NULL);
-    if (N > 1) {
-        if (!wait_slots(a, a.slot_words + N, e, HEP_STAGE_NODE_DISPATCH))
-            return;
-        if (b == 0 && tid < N - 1) /* the layout keeps them for its combines */
-            a.slot_rows[tid] = (int)ld_relaxed(a.slot_words + tid);
-        // each slot token's positions are its sender's offsets (no scan here): any block
-        // forwards any part of a slot
-        for (int L = 0; L < N; L++)
-            if (L != a.node && !over) /* drops as the own tokens do, off this rank's counts
-                                         of list L */
-                push_list(a, list_of(a, L), L, s_x, s_prob, s_scale,
-                          a.drop ? mine + (size_t)L * R * (a.El + 1) : NULL);
-    }
+    // (a.drop: each list's dropped rows come off this rank's counts of that list)
+    int *drop_base = a.drop ? mine : NULL;
+    if (N == 1 && !over)
+        push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, drop_base); /* list 0 */
+    // across nodes each slot token's positions are its sender's offsets (no scan here), so
+    // any block forwards any chunk as it lands
+    if (N > 1 && !ring_dispatch(a, e, over, true, s_x, s_prob, s_scale, drop_base))
+        return;
     arrive_all(a, e);
     if (b == 0)
         drop_recount(a, e);

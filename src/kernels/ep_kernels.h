@@ -107,8 +107,8 @@
  * stored per slot as three blocks [ST][kmax] ids, [ST][kmax] weights, [ST][R] offsets. */
 #define HEP_GPU_ROUTE_WORDS(K, R) (2 * (K) + (R))
 
-/* The inter-node receive slots as a ring of chunks (host backend; the GPU kernels keep one
- * chunk of T tokens per slot). A slot holds P = HEP_RING_DEPTH chunk positions of C tokens
+/* The inter-node receive slots as a ring of chunks (both backends). A slot holds P =
+ * HEP_RING_DEPTH chunk positions of C tokens
  * (layout/plan.c); chunk k of a call (its tokens [kC, kC + C) in slot order) lands in
  * position k % P. After the count blocks, each flags buffer has, in words (B = 3N + N cb):
  *  [B, B + N): sender side (dispatch.attn_input_flags, combine.attn_output_flags), word
@@ -124,9 +124,29 @@
 #define HEP_RING_WORD(N, cb) (3 * (N) + (N) * (cb))
 #define HEP_RING_SRC_WORD(N, cb, x, p, P) (HEP_RING_WORD(N, cb) + (N) + (x) * (P) + (p))
 #define HEP_INTERNODE_FLAG_WORDS(N, cb, P) (HEP_RING_WORD(N, cb) + (N) + (N) * (P))
+/* A word that says which chunks of a call a batch does not need: chunk k is skipped once it
+ * holds HEP_RING_VAL(e, HEP_RING_MAXK - n) with n <= k (the kernel knows the n chunks of a
+ * ring only on the device; the host's batch has as many as the ring could have). */
+#define HEP_RING_MAXK 0xffffffull
+#define HEP_RING_SKIP(e, n) HEP_RING_VAL(e, HEP_RING_MAXK - (unsigned long long)(n))
 #define HEP_PX_MAX_BLOCKS 132
-#define HEP_PX_NODE_WORDS (3 * HEP_PX_MAX_BLOCKS + 2) /* + the slot's count block ready */
+/* Per phase and node m, after the blocks' words and the slot's two: the GPU ring's words,
+ * at HEP_PX_RING: per position p {ready, first, count} of the chunk to m in it (ready =
+ * HEP_RING_VAL(e, k + 1) for chunk k), then the skip word of the chunks to m, the ready
+ * word of the credits to m (HEP_RING_VAL(e, chunks freed)) and their skip word. */
+#define HEP_PX_RING (3 * HEP_PX_MAX_BLOCKS + 2)
+#define HEP_PX_RING_SKIP (HEP_PX_RING + 3 * HEP_RING_DEPTH)
+#define HEP_PX_CREDIT (HEP_PX_RING_SKIP + 1)
+#define HEP_PX_CREDIT_SKIP (HEP_PX_RING_SKIP + 2)
+#define HEP_PX_NODE_WORDS (HEP_PX_RING_SKIP + 3)
 #define HEP_PX_WORD(N, phase, m) (((size_t)(phase) * (size_t)(N) + (size_t)(m)) * HEP_PX_NODE_WORDS)
+/* The GPU kernels' ring counters (device i32 scratch, zero at a call's start), per phase
+ * (0 dispatch, 1 combine): [3][N][HEP_RING_DEPTH]: the producers done with the chunk in
+ * each position of the ring to node m (dispatch: blocks; combine: reducing warps), the
+ * consumers done with it in each position of the ring from node m (dispatch: blocks that
+ * forwarded it; combine: own tokens that read their partial sum in it), and at [2][m][0]
+ * the chunks of the ring from m whose credit was published (in chunk order). */
+#define HEP_RING_CTR_WORDS(N) (2 * 3 * (N) * HEP_RING_DEPTH)
 
 enum { HEP_STAGE_PREPROCESS = 1, HEP_STAGE_DISPATCH = 2, HEP_STAGE_COMBINE = 3,
        HEP_STAGE_NODE_DISPATCH = 4, HEP_STAGE_NODE_COMBINE = 5 };
@@ -213,26 +233,30 @@ typedef struct hep_kargs {
     unsigned long long *combine_done;/* combine blocks that finished the partial sums */
     unsigned long long *count_done;  /* pack blocks that added their count blocks */
     unsigned long long *grid_arrive2;/* dispatch blocks that scanned the other nodes' slots */
+    int ST, C, P;                    /* N > 1: a slot's rows P x C, tokens per chunk, ring
+                                        positions (plan.slot_tokens, chunk, ring) */
+    int *slot_list;                  /* [N][T]: the own token at each row of node m's slot */
+    int *ring_ctr;                   /* HEP_RING_CTR_WORDS(N) (above) */
     int *pack_off;                   /* [T][N][R]: an own token's offset among this rank's
                                         tokens for (node m, local rank d), or -1 (pack) */
     int *md_blocks;                  /* [S][N][R]: own tokens per (node, local rank) of each
                                         pack block */
-    char *send_token;                /* dispatch.attn_input_token [N-1][T] rows */
+    char *send_token;                /* dispatch.attn_input_token [N-1][ST] rows */
     int *send_route;                 /* dispatch.attn_input_prob [N-1][ST]: per slot the kmax
                                         ids of its tokens [ST][kmax], their weights [ST][kmax]
                                         and their offsets at the node's ranks [ST][R] (the
                                         receiver's row is meta[list][d] + offset) */
-    float *send_scale;               /* dispatch.attn_input_scaling_factor [N-1][T][nscale] */
+    float *send_scale;               /* dispatch.attn_input_scaling_factor [N-1][ST][nscale] */
     unsigned long long *send_words;  /* dispatch.attn_input_flags: counts [N], flags [N] */
     const char *slot_token;          /* dispatch.rdma_inter_node_group_token */
     const int *slot_route;           /* dispatch.rdma_inter_node_group_prob */
     const float *slot_scale;         /* dispatch.rdma_inter_node_group_scaling_factor */
     const unsigned long long *slot_words; /* dispatch.rdma_inter_node_group_flags */
-    char *red_token;                 /* combine.rdma_intra_node_red_token [N-1][T] bf16 rows */
+    char *red_token;                 /* combine.rdma_intra_node_red_token [N-1][ST] bf16 rows */
     unsigned long long *red_words;   /* combine.attn_output_flags: counts [N], flags [N] */
-    const char *part_token;          /* combine.rdma_inter_node_group_token [N-1][T] */
+    const char *part_token;          /* combine.rdma_inter_node_group_token [N-1][ST] */
     const unsigned long long *part_words; /* combine.rdma_inter_node_group_flags */
-    float *red_prob;                 /* combine.rdma_intra_node_red_prob [N-1][T][R El]: with
+    float *red_prob;                 /* combine.rdma_intra_node_red_prob [N-1][ST][R El]: with
                                         probs_out, each slot token's row of this node's
                                         experts' probs_in (sent with the partial sums) */
     const float *part_prob;          /* combine.rdma_inter_node_group_prob: the same rows of

@@ -40,13 +40,15 @@ __device__ __forceinline__ lview list_of(const hep_kargs &a, int L)
         v.tok = (const char *)a.tokens, v.scl = a.scales, v.ids = NULL, v.w = a.weights;
         v.off = NULL;
     } else {
-        const size_t s = (size_t)slot_index(L, a.node), T = (size_t)a.T;
+        /* the whole slot: only where its ring holds it (P x C >= T: the expert-major
+         * layout; the rank-major path reads a ring chunk by chunk, dispatch.cu) */
+        const size_t s = (size_t)slot_index(L, a.node), ST = (size_t)a.ST;
         v.t = (int)ld_relaxed(a.slot_words + s), v.K = a.kmax, v.slot = 1;
-        v.tok = a.slot_token + s * T * (size_t)a.H * a.esize;
-        v.scl = a.slot_scale ? a.slot_scale + s * T * a.nscale : NULL;
-        v.ids = a.slot_route + s * T * (size_t)HEP_GPU_ROUTE_WORDS(a.kmax, a.R);
-        v.w = (const float *)(v.ids + T * a.kmax);
-        v.off = v.ids + 2 * T * a.kmax;
+        v.tok = a.slot_token + s * ST * (size_t)a.H * a.esize;
+        v.scl = a.slot_scale ? a.slot_scale + s * ST * a.nscale : NULL;
+        v.ids = a.slot_route + s * ST * (size_t)HEP_GPU_ROUTE_WORDS(a.kmax, a.R);
+        v.w = (const float *)(v.ids + ST * a.kmax);
+        v.off = v.ids + 2 * ST * a.kmax;
     }
     return v;
 }

@@ -1,13 +1,16 @@
-// kernels/node_pack.cu: with N > 1 nodes, pack this rank's tokens into the send staging of
-// each other node that hosts one of their experts, before the dispatch kernel runs. Own
-// token i goes to node m's send slot (once, if any of its experts is there) at row
-// node_pos[i][m] = rows of node m of the tokens before it. Each block publishes its rows
-// [first, first + count) of every slot to the proxy as soon as it wrote them; the count
-// blocks (tokens per (local rank, expert) of each slot) go out first, so that the receiver
-// lays out while the rows travel; the last block publishes each slot's count and flag.
+// kernels/node_pack.cu: with N > 1 nodes, the scan of this rank's own tokens before the
+// dispatch kernel runs: which nodes need each token (own token i is row node_pos[i][m] of
+// node m's slot: the rows of node m of the tokens before it, -1 if none), the count block of
+// each slot (tokens per (local rank, expert)), each token's offset among this rank's tokens
+// for each (node, local rank) it goes to (shipped with it, so that the receiver forwards
+// any chunk without a scan), and the own token at each row of each slot. The last block
+// publishes each slot's count and count block (the receiver lays out while the rows
+// travel) and the skip word of the ring's unused chunks. No row is copied here: the
+// dispatch kernel packs the rings chunk by chunk as credits come back (kernels/ring.cuh;
+// a pack that waited for credits would wait for a kernel that cannot run before it ends).
 #include <cuda_runtime.h>
 
-#include "kernels/lists.cuh"
+#include "kernels/ring.cuh"
 
 #ifndef PACK_THREADS
 #define PACK_THREADS 512
@@ -39,9 +42,12 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
         ncnt[j] = 0;
     for (int j = tid; j < NR; j += blockDim.x)
         run_md[j] = 0;
-    if (b == 0) /* the previous call's blocks went out before this call was submitted */
+    if (b == 0) { /* the previous call's blocks went out before this call was submitted */
         for (int j = tid; j < N * CBI; j += blockDim.x)
             cblocks[(size_t)(j / CBI) * 2 * CBW + j % CBI] = 0;
+        for (int j = tid; j < 3 * N * HEP_RING_DEPTH; j += blockDim.x)
+            a.ring_ctr[j] = 0; /* the dispatch kernel's ring counters (after this kernel) */
+    }
     __syncthreads();
     block_range(a.t, b, S, t0, t1);
 
@@ -100,6 +106,7 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
     grid_arrive(a.pack_arrive);
     if (!grid_wait(a, a.pack_arrive, e * (unsigned long long)S))
         return;
+    block_prefix(a.node_blocks, S, N, b, pre, tot);
     // the count blocks first (zeroed by block 0 before the grid barrier): the receivers lay
     // out with them while the rows travel
     for (int j = tid; j < N * CBI; j += blockDim.x)
@@ -111,13 +118,19 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
         s_last = atomicAdd(a.count_done, 1ull) == e * (unsigned long long)S - 1;
     }
     __syncthreads();
+    // the last block: each slot's count (sent with its count block, so that the receiver
+    // knows its chunks), the skip word of the ring's unused chunks, and the slot's final
+    // count and flag (the proxy posts that one after every chunk to the node)
     if (s_last && tid < N && tid != a.node) {
         __threadfence();
+        a.send_words[tid] = (unsigned long long)tot[tid];
         a.send_words[2 * N + tid] = e;
+        a.send_words[N + tid] = e;
         __threadfence_system();
         st_release(a.px + HEP_PX_WORD(N, 0, tid) + 3 * HEP_PX_MAX_BLOCKS + 1, e);
+        ring_skips(a, 0, tid, ring_chunks(tot[tid], a.C), -1, e);
+        st_release(a.px + HEP_PX_WORD(N, 0, tid) + 3 * HEP_PX_MAX_BLOCKS, e);
     }
-    block_prefix(a.node_blocks, S, N, b, pre, tot);
     rebase_positions(a.node_pos, t0, t1, N, pre);
     block_prefix(a.md_blocks, S, NR, b, pre_md, NULL);
     for (int k = tid; k < (t1 - t0) * NR; k += blockDim.x) { /* the other nodes' offsets */
@@ -126,63 +139,13 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
         if (k % NR / R != a.node && v >= 0)
             *p = v + pre_md[k % NR];
     }
-    __syncthreads();
-
-    // copy each token once per node that needs it: row, sanitized routing, scales
-    const size_t rb = (size_t)a.H * a.esize, nvec = rb / 16, T = (size_t)a.T;
-    const size_t RWS = T * (size_t)HEP_GPU_ROUTE_WORDS(a.kmax, R); /* a slot's routing words */
-    for (int i = t0 + warp; i < t1; i += nwarps) {
-        long long myid = lane < a.K ? topk_at(a, i, lane) : -1;
-        if (myid < -1 || myid >= E)
-            myid = -1; /* reported by the dispatch kernel; travels as an unused slot */
-        const float myw = lane < a.K ? a.weights[(size_t)i * a.K + lane] : 0.f;
-        const uint4 *src = (const uint4 *)((const char *)a.tokens + (size_t)i * rb);
-        for (int g0 = 0; g0 < N; g0 += 32) { /* lane q: node g0 + q (one word with N <= 32) */
-            const int pos = g0 + lane < N ? a.node_pos[(size_t)i * N + g0 + lane] : -1;
-            const unsigned mask = __ballot_sync(FULL, pos >= 0);
-            for (unsigned m = mask; m; m &= m - 1) {
-                const int q = __ffs(m) - 1, L = g0 + q;
-                const size_t j = (size_t)slot_index(L, a.node);
-                const size_t row = (size_t)__shfl_sync(FULL, pos, q);
-                uint4 *dst = (uint4 *)(a.send_token + (j * T + row) * rb);
-                for (size_t v = lane; v < nvec; v += 32)
-                    dst[v] = __ldg(src + v);
-                int *route = a.send_route + j * RWS;
-                if (lane < a.kmax) {
-                    route[row * a.kmax + lane] = (int)myid;
-                    ((float *)route)[(T + row) * a.kmax + lane] = myw;
-                }
-                if (lane < R)
-                    route[2 * T * a.kmax + row * R + lane] =
-                        a.pack_off[((size_t)i * N + L) * R + lane];
-                for (int c = lane; c < a.nscale; c += 32)
-                    a.send_scale[(j * T + row) * a.nscale + c] = a.scales[(size_t)i * a.nscale + c];
-            }
-        }
+    // the own token at each row of each slot: the dispatch kernel packs the ring from it
+    for (int k = tid; k < (t1 - t0) * N; k += blockDim.x) {
+        const int i = t0 + k / N, m = k % N, q = a.node_pos[(size_t)i * N + m];
+        if (q >= 0)
+            a.slot_list[(size_t)m * a.T + q] = i;
     }
-    __syncthreads();
-    if (tid == 0) {
-        __threadfence_system();
-        for (int L = 0; L < N; L++) {
-            unsigned long long *w = a.px + HEP_PX_WORD(N, 0, L) + 3 * b;
-            if (L == a.node)
-                continue;
-            w[1] = (unsigned long long)pre[L];
-            w[2] = (unsigned long long)run[L];
-            __threadfence_system();
-            st_release(w, e);
-        }
-        __threadfence_system();
-        s_last = atomicAdd(a.pack_done, 1ull) == e * (unsigned long long)S - 1;
-    }
-    __syncthreads();
-    if (s_last && tid < N && tid != a.node) { // the last block: every slot's count, flag
-        __threadfence();
-        a.send_words[tid] = (unsigned long long)tot[tid];
-        a.send_words[N + tid] = e;
-        __threadfence_system();
-        st_release(a.px + HEP_PX_WORD(N, 0, tid) + 3 * HEP_PX_MAX_BLOCKS, e);
-    }
+    (void)lane, (void)warp, (void)nwarps;
 }
 
 extern "C" size_t hep_node_pack_smem(int N, int R, int El)

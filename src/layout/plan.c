@@ -12,7 +12,7 @@ void hep_config_default(hep_config *c)
     c->dtype = HEP_DTYPE_BF16;
     c->dispatch_sms = 16;
     c->combine_sms = 16;
-    c->chunk_tokens = 8;
+    c->chunk_tokens = HEP_CHUNK_DEFAULT; /* the backend's (ring_shape) */
     c->backend = HEP_BACKEND_GPU;
 }
 
@@ -78,8 +78,9 @@ int hep_config_check(const hep_config *c, int world)
                                                      "kernels' limit")) ||
         (rc = range("dispatch_sms", c->dispatch_sms, 1, 132, NULL)) ||
         (rc = range("combine_sms", c->combine_sms, 1, 132, NULL)) ||
-        (rc = range("chunk_tokens", c->chunk_tokens, 0, 4096,
-                    "0 = one chunk of max_tokens per inter-node slot")) ||
+        (rc = range("chunk_tokens", c->chunk_tokens, HEP_CHUNK_DEFAULT, 4096,
+                    "-1 = the backend's default, 0 = one chunk of max_tokens per inter-node "
+                    "slot")) ||
         (rc = range("max_recv_rows", c->max_recv_rows, 0, 1L << 30,
                     "0 = world x max_tokens (the worst case)")) ||
         (rc = range("max_permuted_rows", c->max_permuted_rows, 0, 1L << 30,
@@ -258,16 +259,17 @@ static void plan_internode(plan_ctx *x, const hep_config *c, size_t esize, size_
     }
 }
 
-/* The inter-node slots' ring. The host backend: chunks of C = config.chunk_tokens tokens
- * (0: one chunk of T), HEP_RING_DEPTH of them, or fewer where they cover T. The GPU kernels
- * still write and read whole slots: one chunk of T (chunk_tokens does not apply to them). */
+/* The inter-node slots' ring, on both backends: chunks of C = config.chunk_tokens tokens
+ * (HEP_CHUNK_DEFAULT: the backend's default; 0: one chunk of T), HEP_RING_DEPTH of them, or
+ * fewer where they cover T. */
 static void ring_shape(const hep_config *c, hep_plan *p)
 {
     const int T = c->max_tokens;
-    int C = c->chunk_tokens > 0 && c->chunk_tokens < T ? c->chunk_tokens : T;
-    int need = (T + C - 1) / C;
-    if (c->backend != HEP_BACKEND_HOST)
-        C = T, need = 1;
+    const int want = c->chunk_tokens != HEP_CHUNK_DEFAULT ? c->chunk_tokens
+                     : c->backend == HEP_BACKEND_HOST   ? HEP_CHUNK_DEFAULT_HOST
+                                                        : HEP_CHUNK_DEFAULT_GPU;
+    const int C = want > 0 && want < T ? want : T;
+    const int need = (T + C - 1) / C;
     p->chunk = C;
     p->ring = need < HEP_RING_DEPTH ? need : HEP_RING_DEPTH;
     p->slot_tokens = (size_t)p->ring * (size_t)C;
@@ -335,10 +337,14 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
         HEP_ARENA_LOCAL, 0);
     /* [N][132 blocks][R] the scan's block counts; across nodes then the pack's scratch:
      * [T][N][R] each own token's offset among this rank's tokens for each (node, local
-     * rank), [132 blocks][N][R] the pack blocks' counts of them */
+     * rank), [132 blocks][N][R] the pack blocks' counts of them, [N][T] the own token at
+     * each row of each node's slot, and the ring counters of both phases */
     if (c->backend != HEP_BACKEND_HOST)
         add(&x, HEP_BUF_HANDLE_BLOCKS, "handle.block_counts", "dispatch", "i32", 4,
-            132 * W + (nodes > 1 ? mul3(&x, T, W, 1) + 132 * W : 0), HEP_ARENA_LOCAL, 0);
+            132 * W + (nodes > 1 ? mul3(&x, T, W, 1) + 132 * W + mul3(&x, T, (size_t)nodes, 1) +
+                                       HEP_RING_CTR_WORDS((size_t)nodes)
+                                 : 0),
+            HEP_ARENA_LOCAL, 0);
     add(&x, HEP_BUF_DIAG, "diag.timeout_record", "both", "byte", 1, 4096, HEP_ARENA_MAPPED, 0);
     add(&x, HEP_BUF_HOST_COUNTS, "host.recv_counts", "dispatch", "i32", 4, El + 1,
         HEP_ARENA_PINNED, 0);

@@ -82,8 +82,8 @@ typedef struct hep_plan {
     size_t max_recv_rows;
     size_t max_permuted_rows;       /* rows of the expert-major staging (0: none planned) */
     /* N > 1: each inter-node slot is a ring of `ring` positions of `chunk` tokens
-     * (slot_tokens = ring x chunk); ring = 1 and chunk = T is one chunk per slot (the GPU
-     * kernels, and config.chunk_tokens = 0) */
+     * (slot_tokens = ring x chunk), both backends; ring = 1 and chunk = T is one chunk per
+     * slot (config.chunk_tokens = 0, or >= T) */
     int chunk, ring;
     size_t slot_tokens;
     size_t flag_words;              /* u64 counters in the flags buffer */

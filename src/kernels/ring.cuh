@@ -1,0 +1,151 @@
+// kernels/ring.cuh: the inter-node slots as rings of chunks (N > 1), the words of both
+// phases. A slot holds P = a.P positions of C = a.C tokens (a.ST = P x C rows); chunk k of
+// a call (the slot's tokens [kC, kC + C)) sits in position k % P. Included by the .cu files
+// of kernels/ only.
+//
+// Sender side (dispatch: the send staging; combine: the partial sums), ring to node m:
+//  - chunk k goes into position k % P once the credit word (its flags buffer, word B + m)
+//    says the receiver freed chunk k - P (chunks 0..P-1 need none: a sender starts call
+//    e + 1 of a ring only after call e ended wherever it was read);
+//  - its producers (all blocks of dispatch, the reducing warps of combine) each write their
+//    share, then count themselves in the position's producer counter; the last one
+//    publishes the chunk: the flag source of the position (device, B + N + m P + p) =
+//    HEP_RING_VAL(e, k + 1), then the proxy's extent and ready words (host-mapped). The
+//    proxy posts the data and then, fenced, the flag into the receiver's landed word.
+//  - a position's words are rewritten (for chunk k + P) only after credit k came, so after
+//    the proxy had read them for chunk k.
+// Receiver side, ring from node m (its slot s here):
+//  - chunk k may be read once the landed word (B + s) holds HEP_RING_VAL(e, k + 1);
+//  - its consumers count themselves in the position's consumer counter; the one that
+//    completes chunk k frees it: after chunk k - 1's credit was published (credits go out in
+//    chunk order), the credit source (device, B + N + s) = HEP_RING_VAL(e, k + 1), then the
+//    proxy's credit ready word, then the published count.
+// Counters are per call (zeroed: dispatch's by the pack kernel before it, combine's by the
+// last block of the combine before), values in the flags buffers carry the call.
+#ifndef HEP_KERNELS_RING_CUH
+#define HEP_KERNELS_RING_CUH
+
+#include "kernels/lists.cuh"
+
+enum { RING_PRODUCED = 0, RING_CONSUMED = 1, RING_PUBLISHED = 2 };
+
+__device__ __forceinline__ int ring_chunks(int tokens, int C)
+{
+    return (tokens + C - 1) / C;
+}
+
+// The row within its slot of the slot's q-th token.
+__device__ __forceinline__ int ring_row(const hep_kargs &a, int q)
+{
+    return q / a.C % a.P * a.C + q % a.C;
+}
+
+__device__ __forceinline__ size_t ring_base_word(const hep_kargs &a)
+{
+    return HEP_RING_WORD((size_t)a.N, HEP_COUNT_BLOCK_WORDS((size_t)a.R, (size_t)a.El));
+}
+
+__device__ __forceinline__ int *ring_ctr(const hep_kargs &a, int phase, int which, int m)
+{
+    return a.ring_ctr + (((size_t)phase * 3 + which) * a.N + m) * HEP_RING_DEPTH;
+}
+
+__device__ __forceinline__ unsigned long long *px_node(const hep_kargs &a, int phase, int m)
+{
+    return a.px + HEP_PX_WORD(a.N, phase, m);
+}
+
+// One thread, after its producers' writes were fenced at system scope: chunk k of `rows`
+// rows of the ring to node m is in place. `words`: this rank's sender-side flags buffer.
+__device__ __forceinline__ void ring_publish(const hep_kargs &a, int phase,
+                                             unsigned long long *words, int m, int k, int rows,
+                                             unsigned long long e)
+{
+    const int p = k % a.P;
+    unsigned long long *w = px_node(a, phase, m) + HEP_PX_RING + 3 * p;
+    words[ring_base_word(a) + a.N + (size_t)m * a.P + p] = HEP_RING_VAL(e, k + 1);
+    w[1] = 0;
+    w[2] = (unsigned long long)rows;
+    __threadfence_system();
+    st_release(w, HEP_RING_VAL(e, k + 1));
+}
+
+// One thread, once a producer's share of chunk k of the ring to node m is written (and
+// fenced): counts it; true for the one that completes the chunk (`producers` in all).
+__device__ __forceinline__ bool ring_produced(const hep_kargs &a, int phase, int m, int k,
+                                              int producers)
+{
+    const int want = producers * (k / a.P + 1);
+    return atomicAdd(ring_ctr(a, phase, RING_PRODUCED, m) + k % a.P, 1) == want - 1;
+}
+
+// One thread: the skip words of phase `phase` for node m: the ring to m has `out` chunks
+// this call, and the ring from m `in` chunks (its credits past in - P are not wanted).
+__device__ __forceinline__ void ring_skips(const hep_kargs &a, int phase, int m, int out, int in,
+                                           unsigned long long e)
+{
+    unsigned long long *w = px_node(a, phase, m);
+    if (out >= 0)
+        st_release(w + HEP_PX_RING_SKIP, HEP_RING_SKIP(e, out));
+    if (in >= 0)
+        st_release(w + HEP_PX_CREDIT_SKIP, HEP_RING_SKIP(e, in > a.P ? in - a.P : 0));
+}
+
+// One thread: wait (bounded) until the receiver at node m freed chunk k - P (k >= P), the
+// position chunk k takes. `words`: this rank's sender-side flags buffer.
+__device__ __forceinline__ bool ring_wait_credit(const hep_kargs &a,
+                                                 const unsigned long long *words, int m, int k,
+                                                 unsigned long long e, int stage)
+{
+    if (k < a.P)
+        return true;
+    return wait_geq(a, words + ring_base_word(a) + m, HEP_RING_VAL(e, k - a.P + 1), stage,
+                    m * a.R + a.local);
+}
+
+// One thread: wait (bounded) until chunk k of slot s (node L's) landed here.
+__device__ __forceinline__ bool ring_wait_landed(const hep_kargs &a,
+                                                 const unsigned long long *words, int s, int L,
+                                                 int k, unsigned long long e, int stage)
+{
+    return wait_geq(a, words + ring_base_word(a) + s, HEP_RING_VAL(e, k + 1), stage,
+                    L * a.R + a.local);
+}
+
+// One thread, after its reads of chunk k of slot s (node L's) are done: counts `n` consumed
+// units against `per_chunk` a chunk (blocks, or tokens); the one that completes the chunk
+// publishes its credit, after chunk k - 1's (whose last consumer is past all its waits).
+// false when that wait gave up.
+__device__ __forceinline__ bool ring_consumed(const hep_kargs &a, int phase,
+                                              unsigned long long *words, int s, int L, int k,
+                                              int n, int per_chunk, unsigned long long e)
+{
+    const int want = per_chunk * (k / a.P + 1);
+    const int old = atomicAdd(ring_ctr(a, phase, RING_CONSUMED, s) + k % a.P, n);
+    if (old >= want || old + n < want)
+        return true;
+    int *pub = ring_ctr(a, phase, RING_PUBLISHED, s);
+    if (k > 0) { /* chunk k - 1's credit first: its last consumer publishes it now */
+        const unsigned long long start = now_ns();
+        while (*(volatile int *)pub < k) {
+            __nanosleep(64);
+            if (aborted(a))
+                return false;
+            if (now_ns() - start > 2 * a.timeout_ns) {
+                give_up(a.abort, a.diag, a.flags[a.local] + HEP_FLAG_BLAME, HEP_STAGE_PREPROCESS,
+                        a.rank0 + a.local, 0, (unsigned long long)k,
+                        (unsigned long long)*(volatile int *)pub, now_ns() - start);
+                return false;
+            }
+        }
+        __threadfence();
+    }
+    words[ring_base_word(a) + a.N + s] = HEP_RING_VAL(e, k + 1);
+    __threadfence_system();
+    st_release(px_node(a, phase, L) + HEP_PX_CREDIT, HEP_RING_VAL(e, k + 1));
+    __threadfence();
+    atomicExch(pub, k + 1);
+    return true;
+}
+
+#endif
