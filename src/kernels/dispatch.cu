@@ -404,14 +404,15 @@ __device__ bool ring_counts(const hep_kargs &a, unsigned long long e, int *cin, 
 
 // Dispatch across nodes (own: rank-major, else only the sends of the expert-major layout,
 // whose rings hold their slots whole): the rings' chunks 0..P-1 go out first (no credit), then
-// the own tokens, then step k = 0, 1, ...: forward chunk k of every ring received, then send
-// chunk k + P of every ring sent (its credit is chunk k's at the receiver).
+// the own tokens, then step k = 0, 1, ...: send chunk k + P - 1 of every ring sent (k >= 1;
+// its credit is chunk k - 1's at the receiver, freed a step earlier, so its round trip
+// hides behind that step), then forward chunk k of every ring received.
 // Deadlock freedom (all ranks' kernels co-resident, as the node's flags already require):
-// suppose every block of every rank finished the steps before k. Chunk k of every ring was
-// sent at step k - P (or first), so it lands and every block forwards it, waiting for
-// nothing else; so each chunk k is freed everywhere, and the sends of step k, which wait
-// for exactly those credits, go out. No block ever waits for a credit that only its own
-// rank's later step would give.
+// suppose every block of every rank finished the steps before k. The sends of step k wait
+// for the credits of chunk k - 1, which every rank freed in step k - 1, so they go out;
+// then chunk k of every ring has been sent (first, or at step k - P + 1 <= k), so it lands
+// and every block forwards it, waiting for nothing else. No block ever waits for a credit
+// that only its own rank's later step would give.
 __device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool over, bool own,
                               char *const *s_x, float *const *s_prob, float *const *s_scale,
                               int *drop_base)
@@ -422,7 +423,7 @@ __device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool ove
         return false;
     int steps = 0;
     for (int m = 0; m < N; m++)
-        steps = max(steps, max(ring_chunks(cin[m], C), ring_chunks(cout[m], C) - P));
+        steps = max(steps, max(ring_chunks(cin[m], C), ring_chunks(cout[m], C) - P + 1));
     for (int k = 0; k < P; k++)
         for (int m = 0; m < N; m++)
             if (m != a.node && !send_chunk(a, m, k, ring_chunks(cout[m], C), cout[m], e))
@@ -433,12 +434,12 @@ __device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool ove
         push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale,
                   drop_at(a, drop_base, a.node));
     for (int k = 0; k < steps; k++) {
+        for (int m = 0; k > 0 && m < N; m++)
+            if (m != a.node && !send_chunk(a, m, k + P - 1, ring_chunks(cout[m], C), cout[m], e))
+                return false;
         for (int L = 0; L < N; L++)
             if (L != a.node && !forward_chunk(a, L, k, ring_chunks(cin[L], C), cin[L], over, e,
                                               s_x, s_prob, s_scale, drop_at(a, drop_base, L)))
-                return false;
-        for (int m = 0; m < N; m++)
-            if (m != a.node && !send_chunk(a, m, k + P, ring_chunks(cout[m], C), cout[m], e))
                 return false;
     }
     return true;
