@@ -416,7 +416,6 @@ static void gpu_virtual_nodes_match_host_backend_over_loopback_nic_with_dmabuf(v
     if (small_only()) {
         node_case(2, 2, HEP_DTYPE_BF16, 0, -1, seed, 256, 32);
         node_case(2, 1, HEP_DTYPE_FP8_E4M3, 1, -1, seed + 1, 256, 32);
-        ring_case(2, 2, HEP_DTYPE_BF16, 0, -1, seed + 2, 256, 32, 3);
     } else {
         node_case(2, 4, HEP_DTYPE_BF16, 0, -1, seed, 7168, 512);
         node_case(2, 4, HEP_DTYPE_FP8_E4M3, 1, -1, seed + 1, 7168, 512);
@@ -424,13 +423,32 @@ static void gpu_virtual_nodes_match_host_backend_over_loopback_nic_with_dmabuf(v
         node_case(4, 2, HEP_DTYPE_FP8_E4M3, 0, -1, seed + 3, 7168, 512);
         node_case(4, 2, HEP_DTYPE_BF16, 0, 0, seed + 4, 1024, 64); /* t = 0 */
         node_case(2, 4, HEP_DTYPE_BF16, 0, 1, seed + 5, 7168, 4096); /* the bench size */
-        /* rings of chunks smaller than a slot: C = 1, 3, 16, 64, BF16 and FP8 */
+    }
+    unsetenv("HEP_GPU_MR_MODE");
+    hep_env_reload();
+}
+
+/* The inter-node rings smaller than a slot: C = 1, 3, 16, 64 on 2 x 2, 2 x 4, 4 x 2, BF16
+ * and FP8, random t, t = T and t = 0, each case's calls twice (credits across calls). */
+static void gpu_virtual_nodes_rings_of_chunks_match_host_backend(void **state)
+{
+    unsigned seed = fresh_seed() ^ 0x2545f491u;
+    (void)state;
+    if (!have_gpu())
+        skip();
+    print_message("fresh seed %u\n", seed);
+    setenv("HEP_GPU_MR_MODE", "dmabuf", 1);
+    hep_env_reload();
+    if (small_only()) {
+        ring_case(2, 2, HEP_DTYPE_BF16, 0, -1, seed, 256, 32, 3);
+        ring_case(2, 1, HEP_DTYPE_FP8_E4M3, 1, -1, seed + 1, 256, 32, 1);
+    } else {
         ring_case(2, 2, HEP_DTYPE_BF16, 0, -1, seed + 6, 256, 64, 1);
         ring_case(2, 2, HEP_DTYPE_FP8_E4M3, 1, 1, seed + 7, 512, 64, 1); /* t = T */
         ring_case(2, 4, HEP_DTYPE_FP8_E4M3, 0, -1, seed + 8, 1024, 96, 3);
-        ring_case(2, 4, HEP_DTYPE_BF16, 1, 1, seed + 9, 7168, 512, 64); /* t = T */
+        ring_case(2, 4, HEP_DTYPE_BF16, 1, 1, seed + 9, 2048, 512, 64); /* t = T */
         ring_case(4, 2, HEP_DTYPE_BF16, 0, -1, seed + 10, 1024, 256, 16);
-        ring_case(4, 2, HEP_DTYPE_FP8_E4M3, 1, 1, seed + 11, 7168, 512, 64); /* t = T */
+        ring_case(4, 2, HEP_DTYPE_FP8_E4M3, 1, 1, seed + 11, 2048, 512, 64); /* t = T */
         ring_case(4, 2, HEP_DTYPE_BF16, 0, 0, seed + 12, 1024, 64, 3); /* t = 0 */
         ring_case(4, 2, HEP_DTYPE_BF16, 0, 1, seed + 13, 2048, 256, 3); /* t = T */
     }
@@ -554,8 +572,15 @@ static void gpu_virtual_nodes_time_out_naming_the_missing_rank_on_every_rank(voi
     if (!have_gpu() || small_only())
         skip();
     missing_rank_case(2, 3, 9, HEP_CHUNK_DEFAULT);
-    /* the same with rings of 2 chunks of 4 tokens (T = 32): the waits on chunks and
-     * credits name the missing rank too */
+}
+
+/* The same with inter-node rings of 2 chunks of 4 tokens (T = 32): every rank that waited
+ * names rank 3. */
+static void gpu_virtual_nodes_rings_time_out_naming_the_missing_rank_on_every_rank(void **state)
+{
+    (void)state;
+    if (!have_gpu() || small_only())
+        skip();
     missing_rank_case(2, 3, 11, 4);
 }
 
@@ -1033,10 +1058,12 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(gpu_kernels_match_host_backend_across_ranks_dtypes_and_routing),
         cmocka_unit_test(gpu_virtual_nodes_match_host_backend_over_loopback_nic_with_dmabuf),
+        cmocka_unit_test(gpu_virtual_nodes_rings_of_chunks_match_host_backend),
         cmocka_unit_test(gpu_many_nodes_beyond_one_warp_match_host_backend),
         cmocka_unit_test(gpu_graph_replay_gives_the_eager_results),
         cmocka_unit_test(gpu_dispatch_times_out_naming_the_rank_that_never_called),
         cmocka_unit_test(gpu_virtual_nodes_time_out_naming_the_missing_rank_on_every_rank),
+        cmocka_unit_test(gpu_virtual_nodes_rings_time_out_naming_the_missing_rank_on_every_rank),
         cmocka_unit_test(gpu_virtual_nodes_refuse_graph_capture_with_the_reason),
         cmocka_unit_test(gpu_ranks_of_one_process_refuse_the_legacy_default_stream),
         cmocka_unit_test(gpu_real_dmabuf_export_of_odd_sizes_covers_enclosing_pages),
