@@ -61,6 +61,7 @@ typedef struct gpu_opts {
     int ranks_per_gpu; /* 0: every rank on GPU 0; else rank r on GPU r / ranks_per_gpu */
 } gpu_opts;
 static gpu_opts g_opts;
+static int g_hold_rank = -1; /* >= 0: that rank's proxy returns no credit (a test hook) */
 
 static size_t esz(const ep_case *c)
 {
@@ -97,7 +98,14 @@ static int run_rank_gpu(rank_ctx *rc)
 
     const int dev = g_opts.ranks_per_gpu ? rc->rank / g_opts.ranks_per_gpu : 0;
     CK(cudaSetDevice(dev));
-    rc0 = hep_group_create(&c->cfg, &rc->bs, dev, &g);
+    if (g_hold_rank >= 0) {
+        hep_group_hooks hooks;
+        memset(&hooks, 0, sizeof(hooks)); /* the NIC HEP_NIC names, as hep_group_create */
+        hooks.hold_credits = rc->rank == g_hold_rank;
+        rc0 = hep_group_create_ex(&c->cfg, &rc->bs, dev, &hooks, &g);
+    } else {
+        rc0 = hep_group_create(&c->cfg, &rc->bs, dev, &g);
+    }
     if (rc0) {
         o->rc_dispatch = rc0;
         snprintf(o->err, sizeof(o->err), "create: %s", hep_last_error());
@@ -584,6 +592,44 @@ static void gpu_virtual_nodes_rings_time_out_naming_the_missing_rank_on_every_ra
     missing_rank_case(2, 3, 11, 4);
 }
 
+/* Across nodes with rings of 2 chunks of 2 tokens (T = 64), rank 1's proxy never returns a
+ * credit. Rank 0, whose ring to rank 1 needs credits after its first two chunks, times out
+ * naming rank 1 and the credit; rank 1 (no tokens of its own) times out naming rank 0,
+ * whose third chunk never came. */
+static void gpu_virtual_nodes_rings_time_out_naming_the_peer_that_holds_its_credits(void **state)
+{
+    static ep_case c;
+    rank_ctx ctx[2];
+    (void)state;
+    if (!have_gpu() || small_only())
+        skip();
+    setenv("HEP_TIMEOUT_MS", "1500", 1);
+    hep_env_reload();
+    memset(&c, 0, sizeof(c));
+    c.cfg = gcfg(256, 64, 2, 2, HEP_DTYPE_BF16, 1);
+    c.cfg.chunk_tokens = 2;
+    c.world = 2;
+    c.K = 2;
+    c.skip_rank = -1;
+    c.has_t_fixed = 1;
+    c.t_fixed = 64;
+    ep_case_random(&c, 13, EP_ROUTE_NODES);
+    c.in[1].t = 0;
+    g_hold_rank = 1;
+    assert_int_equal(run_ranks(2, run_rank_gpu, &c, ctx), 0);
+    g_hold_rank = -1;
+    unsetenv("HEP_TIMEOUT_MS");
+    hep_env_reload();
+    for (int r = 0; r < 2; r++)
+        print_message("rank %d: %s\n", r, c.out[r].err);
+    assert_int_equal(c.out[0].rc_dispatch, HEP_ERR_TIMEOUT);
+    assert_non_null(strstr(c.out[0].err, "waited for rank 1 to free"));
+    assert_non_null(strstr(c.out[0].err, "rank 1 arrived at the call but its credit did not come"));
+    assert_int_equal(c.out[1].rc_dispatch, HEP_ERR_TIMEOUT);
+    assert_non_null(strstr(c.out[1].err, "of rank 0's ring"));
+    ep_case_free(&c);
+}
+
 /* Across nodes the proxy posts each call's writes: capturing a call is refused, clearly. */
 static int capture_rank(rank_ctx *r)
 {
@@ -1064,6 +1110,7 @@ int main(void)
         cmocka_unit_test(gpu_dispatch_times_out_naming_the_rank_that_never_called),
         cmocka_unit_test(gpu_virtual_nodes_time_out_naming_the_missing_rank_on_every_rank),
         cmocka_unit_test(gpu_virtual_nodes_rings_time_out_naming_the_missing_rank_on_every_rank),
+        cmocka_unit_test(gpu_virtual_nodes_rings_time_out_naming_the_peer_that_holds_its_credits),
         cmocka_unit_test(gpu_virtual_nodes_refuse_graph_capture_with_the_reason),
         cmocka_unit_test(gpu_ranks_of_one_process_refuse_the_legacy_default_stream),
         cmocka_unit_test(gpu_real_dmabuf_export_of_odd_sizes_covers_enclosing_pages),

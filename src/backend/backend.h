@@ -43,7 +43,8 @@ typedef struct hep_backend_ctx {
     int rank, world, R, N, node, local;
     int mates_one_gpu;              /* every node-mate drives this rank's GPU */
     int mates_one_process;          /* every node-mate is a thread of this process */
-    int hold_credits;               /* host backend: never free a ring chunk (a test hook) */
+    int hold_credits;               /* never free a ring chunk (a test hook; GPU: the proxy
+                                       sends no credit) */
     const hep_plan *plan;
     char *const *arena;             /* [HEP_ARENA_COUNT] this rank's arenas */
     char *mapped_dev;               /* device address of the mapped arena */

@@ -218,7 +218,8 @@ int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, uint64_t e, int t, i
     for (int m = 0; m < g->N; m++) {
         const int peer = m * g->R + g->local, j = hep_slot_of(m, g->node);
         const uint64_t *px = px0 + HEP_PX_WORD(g->N, phase, m);
-        const int Kc = (phase == 0 ? Kin : chunks_for(g, t)) - P;
+        /* hold_credits (a test hook): a receiver that never frees a chunk */
+        const int Kc = g->hold_credits ? 0 : (phase == 0 ? Kin : chunks_for(g, t)) - P;
         for (int k = 0; m != g->node && k < Kc; k++)
             ch[n++] = phase == 0 ? ring_credit(g, peer, HEP_BUF_D_GROUP_FLAGS,
                                                HEP_BUF_D_ATTN_FLAGS, j, px, k, e)

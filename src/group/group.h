@@ -14,8 +14,8 @@
 typedef struct hep_group_hooks {
     const hep_gpu_mr_ops *mr_override; /* non-NULL members replace the NIC's registration calls */
     int transport;                     /* 0 = from HEP_NIC, 1 = loopback, 2 = verbs */
-    int hold_credits;                  /* host backend: never free a ring chunk (a peer that
-                                          does not return credits) */
+    int hold_credits;                  /* never free a ring chunk (a peer that does not
+                                          return credits; GPU: its proxy sends none) */
 } hep_group_hooks;
 
 struct hep_group {

@@ -20,6 +20,10 @@ static const char *stage_name(int s)
            : s == HEP_STAGE_COMBINE         ? "combine (expert outputs ready)"
            : s == HEP_STAGE_NODE_DISPATCH   ? "dispatch (another node's tokens over the network)"
            : s == HEP_STAGE_NODE_COMBINE    ? "combine (another node's partial sums over the network)"
+           : s == HEP_STAGE_RING_DISPATCH_CHUNK  ? "dispatch (a chunk of another node's tokens over the network)"
+           : s == HEP_STAGE_RING_DISPATCH_CREDIT ? "dispatch (a credit: the receiving rank freeing a chunk of this rank's ring)"
+           : s == HEP_STAGE_RING_COMBINE_CHUNK   ? "combine (a chunk of another node's partial sums over the network)"
+           : s == HEP_STAGE_RING_COMBINE_CREDIT  ? "combine (a credit: the receiving rank freeing a chunk of this rank's ring)"
                                             : "?";
 }
 
@@ -178,9 +182,12 @@ static void gpu_teardown(hep_backend_ctx *g)
  * started. Returns the word, or 0 when it cannot be read or the stage has none. */
 static unsigned long long peer_arrival(hep_backend_ctx *g, int stage, int peer, void *stream)
 {
-    const int id = stage == HEP_STAGE_NODE_COMBINE    ? HEP_BUF_C_GROUP_FLAGS
-                   : stage == HEP_STAGE_NODE_DISPATCH ? HEP_BUF_D_GROUP_FLAGS
-                                                      : -1;
+    const int combine = stage == HEP_STAGE_NODE_COMBINE || stage == HEP_STAGE_RING_COMBINE_CHUNK ||
+                        stage == HEP_STAGE_RING_COMBINE_CREDIT;
+    const int dispatch = stage == HEP_STAGE_NODE_DISPATCH ||
+                         stage == HEP_STAGE_RING_DISPATCH_CHUNK ||
+                         stage == HEP_STAGE_RING_DISPATCH_CREDIT;
+    const int id = combine ? HEP_BUF_C_GROUP_FLAGS : dispatch ? HEP_BUF_D_GROUP_FLAGS : -1;
     unsigned long long v = 0;
     const int node = g->R ? peer / g->R : 0;
     if (id < 0 || g->N < 2 || node == g->node || node < 0 || node >= g->N)
@@ -204,7 +211,31 @@ static int diag_status(hep_backend_ctx *g, const char *call, void *stream)
         int peer = d->peer; /* a global rank */
         const unsigned long long came =
             d->via_plus1 ? 0 : peer_arrival(g, d->stage, peer, stream);
-        if (!d->via_plus1 && came >= d->expected)
+        const int ring = d->stage >= HEP_STAGE_RING_DISPATCH_CHUNK;
+        const int credit = d->stage == HEP_STAGE_RING_DISPATCH_CREDIT ||
+                           d->stage == HEP_STAGE_RING_COMBINE_CREDIT;
+        /* a ring's words: HEP_RING_VAL(call, chunks) */
+        const unsigned long long call_of = d->expected >> 24, want = d->expected & 0xffffffull;
+        const unsigned long long seen_k = d->seen >> 24 == call_of ? d->seen & 0xffffffull : 0;
+        if (!d->via_plus1 && ring && credit)
+            snprintf(g->broken_msg, sizeof(g->broken_msg),
+                     "%s timed out on rank %d after %.0f ms (HEP_TIMEOUT_MS) in %s, block %d: "
+                     "waited for rank %d to free %llu chunks of this rank's ring in call %llu, "
+                     "saw %llu freed: rank %d %s",
+                     call, g->rank, (double)d->waited_ns / 1e6, stage_name(d->stage), d->block,
+                     peer, want, call_of, seen_k, peer,
+                     came < call_of ? "did not arrive"
+                                    : "arrived at the call but its credit did not come");
+        else if (!d->via_plus1 && ring)
+            snprintf(g->broken_msg, sizeof(g->broken_msg),
+                     "%s timed out on rank %d after %.0f ms (HEP_TIMEOUT_MS) in %s, block %d: "
+                     "waited for chunk %llu of rank %d's ring in call %llu, saw %llu landed: "
+                     "rank %d %s",
+                     call, g->rank, (double)d->waited_ns / 1e6, stage_name(d->stage), d->block,
+                     want ? want - 1 : 0, peer, call_of, seen_k, peer,
+                     came < call_of ? "did not arrive"
+                                    : "arrived at the call but the chunk did not land");
+        else if (!d->via_plus1 && came >= d->expected)
             snprintf(g->broken_msg, sizeof(g->broken_msg),
                      "%s timed out on rank %d after %.0f ms (HEP_TIMEOUT_MS) in %s, block %d: "
                      "waited for rank %d, expected %llu, saw %llu: rank %d arrived at call %llu "
@@ -269,8 +300,15 @@ static int cuda_status(cudaError_t e, const char *what)
 static int proxy_done(hep_backend_ctx *g)
 {
     int rc;
+    const hep_diag *d =
+        (const hep_diag *)(g->arena[HEP_ARENA_MAPPED] + g->plan->buf[HEP_BUF_DIAG].offset);
     if (!g->proxy || g->cfg->backend != HEP_BACKEND_GPU)
         return HEP_OK;
+    /* a kernel that gave up publishes no more chunks: the batch would wait for them until
+     * its own timeout (the rings' chunks become ready only as the kernels go on) */
+    if (d->timeout_claimed)
+        hep_proxy_cancel(g->proxy, HEP_ERR_TIMEOUT,
+                         "the call's kernels gave up waiting (see the kernel's record)");
     rc = hep_proxy_wait(g->proxy);
     if (rc) {
         snprintf(g->broken_msg, sizeof(g->broken_msg), "%s", hep_last_error());

@@ -545,8 +545,7 @@ __device__ __forceinline__ bool own_wait(const hep_kargs &a, int i, unsigned lon
         const int M = g0 + lane;
         const int q = M < a.N && M != a.node ? a.node_pos[(size_t)i * a.N + M] : -1;
         if (q >= 0)
-            ok = ring_wait_landed(a, a.part_words, slot_index(M, a.node), M, q / a.C, c,
-                                  HEP_STAGE_NODE_COMBINE);
+            ok = ring_wait_landed(a, a.part_words, slot_index(M, a.node), M, q / a.C, c, 1);
     }
     return __all_sync(FULL, ok);
 }
@@ -657,7 +656,7 @@ __device__ bool reduce_rings(const hep_kargs &a, const char *const *s_x, const f
             if (waited > a.timeout_ns) {
                 if (lane == 0)
                     give_up(a.abort, a.diag, a.flags[a.local] + HEP_FLAG_BLAME,
-                            HEP_STAGE_NODE_COMBINE, stuck * R + a.local, 0,
+                            HEP_STAGE_RING_COMBINE_CREDIT, stuck * R + a.local, 0,
                             HEP_RING_VAL(c, cur[stuck] - P + 1), seen, waited);
                 return false;
             }

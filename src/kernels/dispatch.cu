@@ -307,7 +307,7 @@ __device__ bool send_chunk(const hep_kargs &a, int m, int k, int n, int cnt, uns
         return true;
     bool ok = true;
     if (threadIdx.x == 0)
-        ok = ring_wait_credit(a, a.send_words, m, k, e, HEP_STAGE_NODE_DISPATCH);
+        ok = ring_wait_credit(a, a.send_words, m, k, e, 0);
     if (!block_all(ok))
         return false;
     const int rows = min(a.C, cnt - k * a.C);
@@ -357,7 +357,7 @@ __device__ bool forward_chunk(const hep_kargs &a, int L, int k, int n, int cnt, 
     const int s = slot_index(L, a.node), lane = threadIdx.x & 31;
     bool ok = true;
     if (threadIdx.x == 0)
-        ok = ring_wait_landed(a, a.slot_words, s, L, k, e, HEP_STAGE_NODE_DISPATCH);
+        ok = ring_wait_landed(a, a.slot_words, s, L, k, e, 0);
     if (!block_all(ok))
         return false;
     const int rows = min(a.C, cnt - k * a.C);

@@ -148,8 +148,13 @@
  * the chunks of the ring from m whose credit was published (in chunk order). */
 #define HEP_RING_CTR_WORDS(N) (2 * 3 * (N) * HEP_RING_DEPTH)
 
+/* The waits of the timeout record. The ring's (N > 1, kernels/ring.cuh) expect and see
+ * HEP_RING_VAL(call, chunks): a chunk that did not land (its sender named), or a credit
+ * that did not come (the receiver that did not free the chunk named). */
 enum { HEP_STAGE_PREPROCESS = 1, HEP_STAGE_DISPATCH = 2, HEP_STAGE_COMBINE = 3,
-       HEP_STAGE_NODE_DISPATCH = 4, HEP_STAGE_NODE_COMBINE = 5 };
+       HEP_STAGE_NODE_DISPATCH = 4, HEP_STAGE_NODE_COMBINE = 5,
+       HEP_STAGE_RING_DISPATCH_CHUNK = 6, HEP_STAGE_RING_DISPATCH_CREDIT = 7,
+       HEP_STAGE_RING_COMBINE_CHUNK = 8, HEP_STAGE_RING_COMBINE_CREDIT = 9 };
 
 /* Host-mapped record of the first failure seen by a rank's kernels. The kernels only write
  * it, when a failure happens (and two timestamps once per dispatch); the host reads it

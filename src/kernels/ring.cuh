@@ -95,8 +95,9 @@ __device__ __forceinline__ void ring_skips(const hep_kargs &a, int phase, int m,
 // position chunk k takes. `words`: this rank's sender-side flags buffer.
 __device__ __forceinline__ bool ring_wait_credit(const hep_kargs &a,
                                                  const unsigned long long *words, int m, int k,
-                                                 unsigned long long e, int stage)
+                                                 unsigned long long e, int phase)
 {
+    const int stage = phase ? HEP_STAGE_RING_COMBINE_CREDIT : HEP_STAGE_RING_DISPATCH_CREDIT;
     if (k < a.P)
         return true;
     return wait_geq(a, words + ring_base_word(a) + m, HEP_RING_VAL(e, k - a.P + 1), stage,
@@ -106,8 +107,9 @@ __device__ __forceinline__ bool ring_wait_credit(const hep_kargs &a,
 // One thread: wait (bounded) until chunk k of slot s (node L's) landed here.
 __device__ __forceinline__ bool ring_wait_landed(const hep_kargs &a,
                                                  const unsigned long long *words, int s, int L,
-                                                 int k, unsigned long long e, int stage)
+                                                 int k, unsigned long long e, int phase)
 {
+    const int stage = phase ? HEP_STAGE_RING_COMBINE_CHUNK : HEP_STAGE_RING_DISPATCH_CHUNK;
     return wait_geq(a, words + ring_base_word(a) + s, HEP_RING_VAL(e, k + 1), stage,
                     L * a.R + a.local);
 }
