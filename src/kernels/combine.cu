@@ -787,6 +787,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     const int first_grab = lane == 0 && !red ? (int)atomicAdd(a.work + HEP_WORK_COMBINE, GRAB) : 0;
 #else
     const int first_grab = 0;
+    (void)lane;
 #endif
 
     if (N > 1 && b == 0 && tid < N && tid != a.node) {
