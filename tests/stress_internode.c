@@ -11,7 +11,7 @@
  *   HEP_STRESS_SEED     first routing seed (default 1); a failure prints its call's seed
  *   HEP_STRESS_CHUNK    config.chunk_tokens (default 3: rings of 2 chunks of 3 tokens,
  *                       smaller than every shape's T, so the rings wrap and credits flow;
- *                       0 = one chunk of T). The GPU kernels keep one chunk per slot.
+ *                       0 = one chunk of T), on both backends.
  *
  * Prints the calls done per shape. gpu: the GPU backend, small shapes (for the GPU check
  * script and compute-sanitizer); without a GPU it prints "skipped: <reason>" and exits 77. */

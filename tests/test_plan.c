@@ -107,6 +107,21 @@ static void plan_memory_targets_of_the_rings(void **state)
     c.chunk_tokens = 0;
     assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
     assert_true(p.device_bytes > 4590000000u);
+    /* GPU at a capacity of 2 x the uniform mean: 1.11 GB for EP64; the default chunk's
+     * rings grow with the nodes (4.73 GB for EP1024), chunks of 8 keep them almost flat
+     * (0.91 GB -> 1.00 GB: the rings, and the kernels' layout scratch of T x W ints) */
+    c.chunk_tokens = HEP_CHUNK_DEFAULT;
+    c.max_recv_rows = 62880;
+    assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
+    assert_true(p.device_bytes > 1100000000u && p.device_bytes < 1120000000u);
+    assert_int_equal(hep_plan_make(&c, 128, 8, &p), HEP_OK);
+    assert_true(p.device_bytes > 4720000000u && p.device_bytes < 4740000000u);
+    c.chunk_tokens = 8;
+    assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
+    ep64 = p.device_bytes;
+    assert_int_equal(hep_plan_make(&c, 128, 8, &p), HEP_OK);
+    assert_true(p.device_bytes <= ep64 + ep64 / 9);
+    c.max_recv_rows = 0;
     c.chunk_tokens = HEP_CHUNK_DEFAULT;
     c.backend = HEP_BACKEND_HOST;
     assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
