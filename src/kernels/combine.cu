@@ -544,8 +544,8 @@ __device__ __forceinline__ bool own_wait(const hep_kargs &a, int i, unsigned lon
     for (int g0 = 0; g0 < a.N; g0 += 32) {
         const int M = g0 + lane;
         const int q = M < a.N && M != a.node ? a.node_pos[(size_t)i * a.N + M] : -1;
-        if (q >= 0)
-            ok = ring_wait_landed(a, a.part_words, slot_index(M, a.node), M, q / a.C, c, 1);
+        if (q >= 0 && !ring_wait_landed(a, a.part_words, slot_index(M, a.node), M, q / a.C, c, 1))
+            ok = false; /* (a later word of nodes must not hide it) */
     }
     return __all_sync(FULL, ok);
 }
@@ -562,9 +562,9 @@ __device__ __forceinline__ bool own_free(const hep_kargs &a, int i, unsigned lon
     for (int g0 = 0; g0 < a.N; g0 += 32) {
         const int M = g0 + lane;
         const int q = M < a.N && M != a.node ? a.node_pos[(size_t)i * a.N + M] : -1;
-        if (q >= 0)
-            ok = ring_consumed(a, 1, (unsigned long long *)a.part_words, slot_index(M, a.node), M,
-                               q / a.C, 1, a.C, c);
+        if (q >= 0 && !ring_consumed(a, 1, (unsigned long long *)a.part_words,
+                                     slot_index(M, a.node), M, q / a.C, 1, a.C, c))
+            ok = false;
     }
     return __all_sync(FULL, ok);
 }
