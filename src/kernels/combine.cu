@@ -178,7 +178,7 @@ __device__ __forceinline__ void copy_row(const uint4 *src, uint4 *out, size_t rb
 // copied (CV vectors a lane in flight); several rows are summed two at a time, four
 // vectors a lane each (bench/NOTES.md has the shapes tried; these fit 128 registers).
 // WIDE (N > 32, own tokens): the other nodes are counted a word of 32 at a time.
-template <bool WIDE>
+template <bool WIDE, int CU = 4, int CD = 2>
 __device__ __forceinline__ void combine_row(const hep_kargs &a, const char *const *s_x, int L,
                                             int i, int mybase, uint4 *out, const char *parts)
 {
@@ -227,7 +227,7 @@ __device__ __forceinline__ void combine_row(const hep_kargs &a, const char *cons
             out[k] = z;
     }
     else
-        sum_rows<4, 2, WIDE>(a, rs, s_x, parts, a.node, rb, (size_t)a.ST, out, np, a.N);
+        sum_rows<CU, CD, WIDE>(a, rs, s_x, parts, a.node, rb, (size_t)a.ST, out, np, a.N);
 }
 
 // An own token's row (N > 32: the wide count of the other nodes' partial sums).
@@ -376,6 +376,7 @@ __device__ __forceinline__ void em_sum_rows(const char *src, int n, size_t rb, u
 // once. The keys: for own tokens the recorded routing's ids less this node's first, for
 // another node's slot (N > 1) the handle's ekey. A token's rows and partial sums take at
 // most one lane each: each of them needs a slot of its own among the token's K <= 32.
+template <int CU = 4>
 __device__ __forceinline__ void em_combine_row(const hep_kargs &a, const char *const *s_x, int L,
                                                int i, uint4 *out, const char *parts)
 {
@@ -421,7 +422,7 @@ __device__ __forceinline__ void em_combine_row(const hep_kargs &a, const char *c
             if (n == 1)
                 copy_row((const uint4 *)__shfl_sync(FULL, (unsigned long long)ranked, 0), out, rb);
             else
-                em_sum_rows<4>(ranked, n, rb, out);
+                em_sum_rows<CU>(ranked, n, rb, out);
             return;
         }
     }
@@ -448,7 +449,7 @@ __device__ __forceinline__ void em_combine_row(const hep_kargs &a, const char *c
             who = j;
     }
     const char *ranked = (const char *)__shfl_sync(FULL, (unsigned long long)mine, who);
-    em_sum_rows<4>(ranked, n, rb, out);
+    em_sum_rows<CU>(ranked, n, rb, out);
 }
 
 // The probabilities through combine from expert-major rows: probs_out[i][x] = the row's
@@ -534,6 +535,13 @@ static_assert(COMBINE_THREADS >= HEP_GPU_MAX_NODES, "one thread per node (tid < 
 // side), the others sum this rank's own tokens (the owner's side), so that no warp waits for
 // a credit while it is the one that would free a chunk, or the reverse.
 #define RED_WARPS (COMBINE_THREADS / 64)
+#ifndef RING_CU /* a reducer's vectors a lane of RING_CD rows in flight (the same bits for
+                   any): with the own tokens' 4 x 2 the rings' state makes ptxas spill */
+#define RING_CU 2
+#endif
+#ifndef RING_CD
+#define RING_CD 2
+#endif
 
 // Owner side, one warp: token i's partial sums from the other nodes landed (the chunk of
 // its row in each node's ring). false when a wait gave up.
@@ -614,9 +622,9 @@ __device__ bool reduce_rings(const hep_kargs &a, const char *const *s_x, const f
                     const size_t row = (size_t)s * ST + (size_t)ring_row(a, q);
                     uint4 *red = (uint4 *)(a.red_token + row * rb);
                     if (EM)
-                        em_combine_row(a, s_x, L, q, red, NULL);
+                        em_combine_row<RING_CU>(a, s_x, L, q, red, NULL);
                     else
-                        combine_row<false>(a, s_x, L, q, mybase, red, NULL);
+                        combine_row<false, RING_CU, RING_CD>(a, s_x, L, q, mybase, red, NULL);
                     if (a.probs_out) { /* every rank of the call alike */
                         float *pr = a.red_prob + row * R * a.El;
                         if (EM)
@@ -694,35 +702,35 @@ __device__ void ring_combine_setup(const hep_kargs &a, unsigned long long c)
 // nodes a token waits for the chunks of its partial sums and frees them once read. The
 // owning warps: all of them on one node, the last COMBINE_THREADS / 32 - RED_WARPS of each
 // block across nodes.
-template <bool EM>
+template <bool EM, bool NODES>
 __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const *s_x,
                                            const float *const *s_pin, unsigned long long c,
                                            int first_grab)
 {
-    const int R = a.R, N = a.N, lane = threadIdx.x & 31, S = gridDim.x, b = blockIdx.x;
-    const int wpb = blockDim.x >> 5, warp = threadIdx.x >> 5, skip = N > 1 ? RED_WARPS : 0;
+    const int R = a.R, lane = threadIdx.x & 31, S = gridDim.x, b = blockIdx.x;
+    const int wpb = blockDim.x >> 5, warp = threadIdx.x >> 5, skip = NODES ? RED_WARPS : 0;
     const int gw = b * (wpb - skip) + warp - skip, nw = S * (wpb - skip);
     const size_t rb = (size_t)a.H * 2;
     const int mybase = lane < R ? ld_l2(a.meta + a.node * R + lane) : 0;
-    const char *parts = N > 1 ? a.part_token : NULL;
+    const char *parts = NODES ? a.part_token : NULL;
 #ifdef HEP_STATIC_TOKENS
     int w0, w1;
     warp_range(0, a.t, gw, nw, w0, w1);
     for (int i = w0; i < w1; i++) {
         uint4 *out = (uint4 *)((char *)a.combine_out + (size_t)i * rb);
-        if (N > 1 && !own_wait(a, i, c))
+        if (NODES && !own_wait(a, i, c))
             return false;
         if (EM)
             em_combine_row(a, s_x, a.node, i, out, parts);
         else
             combine_own(a, s_x, i, mybase, out, parts);
-        if (N > 1 && a.probs_out) {
+        if (NODES && a.probs_out) {
             if (EM)
                 em_combine_probs_token(a, s_pin, i);
             else
                 combine_probs_token(a, i);
         }
-        if (N > 1 && !own_free(a, i, c))
+        if (NODES && !own_free(a, i, c))
             return false;
     }
     (void)first_grab;
@@ -741,25 +749,25 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
             pending = (int)atomicAdd(work, GRAB);
         for (int i = i0; i < min(a.t, i0 + GRAB); i++) {
             uint4 *out = (uint4 *)((char *)a.combine_out + (size_t)i * rb);
-            if (N > 1 && !own_wait(a, i, c))
+            if (NODES && !own_wait(a, i, c))
                 return false;
             if (EM)
                 em_combine_row(a, s_x, a.node, i, out, parts);
             else
                 combine_own(a, s_x, i, mybase, out, parts);
-            if (N > 1 && a.probs_out) { /* read before the chunks are freed */
+            if (NODES && a.probs_out) { /* read before the chunks are freed */
                 if (EM)
                     em_combine_probs_token(a, s_pin, i);
                 else
                     combine_probs_token(a, i);
             }
-            if (N > 1 && !own_free(a, i, c))
+            if (NODES && !own_free(a, i, c))
                 return false;
         }
         next = __shfl_sync(FULL, pending, 0);
     }
 #endif
-    if (N == 1 && a.probs_out) {
+    if (!NODES && a.probs_out) {
         if (EM)
             em_combine_probs(a, s_pin, gw, nw);
         else
@@ -768,12 +776,14 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
     return true;
 }
 
-template <bool EM>
+// NODES: N > 1 (the rings' code is in these instances only, so that it takes no registers
+// from the one-node instances).
+template <bool EM, bool NODES>
 __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
 {
     const int R = a.R, N = a.N, tid = threadIdx.x, S = gridDim.x, b = blockIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
-    const bool red = N > 1 && warp < RED_WARPS; /* a reducing warp (across nodes) */
+    const bool red = NODES && warp < RED_WARPS; /* a reducing warp (across nodes) */
     const unsigned long long e = *a.epoch, c = *a.cepoch + 1;
     __shared__ const char *s_x[HEP_GPU_MAX_LOCAL]; /* see k_dispatch */
     __shared__ const float *s_pin[HEP_GPU_MAX_LOCAL]; /* EM: the node-mates' probs_in */
@@ -790,7 +800,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     (void)lane;
 #endif
 
-    if (N > 1 && b == 0 && tid < N && tid != a.node) {
+    if (NODES && b == 0 && tid < N && tid != a.node) {
         /* arrival: this rank's combine c started. The proxy sends the word ahead of
          * the partial sums on the same connection, so a peer that times out on their flag
          * can tell a lost flag from a rank that never came (ep.c, diag_status). */
@@ -821,7 +831,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     }
     if (!block_all(ok))
         return;
-    if (N > 1) {
+    if (NODES) {
         __shared__ int s_cur[COMBINE_THREADS / 32][HEP_GPU_MAX_NODES]; /* reducers' cursors */
         if (b == 0)
             ring_combine_setup(a, c);
@@ -829,7 +839,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
                                      s_cur[warp]))
             return;
     }
-    if (!red && !own_tokens<EM>(a, s_x, s_pin, c, first_grab))
+    if (!red && !own_tokens<EM, NODES>(a, s_x, s_pin, c, first_grab))
         return;
     combine_done(a, c);
     if (EM && !a.em_stage) /* staged: the caller's memory was copied; k_em_stage_in of the
@@ -971,9 +981,11 @@ extern "C" int hep_launch_em_stage_in(const hep_kargs *a, int blocks, void *stre
 extern "C" int hep_launch_combine(const hep_kargs *a, int blocks, void *stream)
 {
     if (a->emajor)
-        k_combine<true><<<blocks, COMBINE_THREADS, 0, (cudaStream_t)stream>>>(*a);
+        (a->N > 1 ? k_combine<true, true> : k_combine<true, false>)<<<blocks, COMBINE_THREADS, 0,
+                                                                    (cudaStream_t)stream>>>(*a);
     else
-        k_combine<false><<<blocks, COMBINE_THREADS, 0, (cudaStream_t)stream>>>(*a);
+        (a->N > 1 ? k_combine<false, true> : k_combine<false, false>)<<<blocks, COMBINE_THREADS,
+                                                                      0, (cudaStream_t)stream>>>(*a);
     return (int)cudaGetLastError();
 }
 
@@ -990,9 +1002,13 @@ extern "C" int hep_launch_copy_out(const hep_kargs *a, int blocks, void *stream)
 extern "C" int hep_preload_combine(void)
 {
     cudaFuncAttributes fa;
-    cudaError_t e = cudaFuncGetAttributes(&fa, (const void *)k_combine<false>);
+    cudaError_t e = cudaFuncGetAttributes(&fa, (const void *)k_combine<false, false>);
     if (e == cudaSuccess)
-        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<true>);
+        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<false, true>);
+    if (e == cudaSuccess)
+        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<true, false>);
+    if (e == cudaSuccess)
+        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<true, true>);
     if (e == cudaSuccess)
         e = cudaFuncGetAttributes(&fa, (const void *)k_copy_in);
     if (e == cudaSuccess)

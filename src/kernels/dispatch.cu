@@ -53,6 +53,7 @@ __device__ __forceinline__ void bulk_wait_all() {}
 // k's destination kd and its row there (rank-major: lane d is destination d, kd = d;
 // expert-major: lane k is slot k). Each pass loads up to DU vectors per lane (all in flight
 // together), then stores them to every pair's row.
+template <int U = DU>
 __device__ __forceinline__ void push_row(const uint4 *src, bool slot, unsigned mask, int kd,
                                          int row, char *const *s_x, size_t rb, int nvec,
                                          int per_pass)
@@ -60,19 +61,19 @@ __device__ __forceinline__ void push_row(const uint4 *src, bool slot, unsigned m
     const int lane = threadIdx.x & 31;
     for (int v0 = 0; v0 < nvec; v0 += per_pass) {
         const int v1 = min(nvec, v0 + per_pass);
-        uint4 buf[DU];
+        uint4 buf[U];
 #pragma unroll
-        for (int u = 0; u < DU; u++) {
+        for (int u = 0; u < U; u++) {
             const int q = v0 + u * 32 + lane;
             if (q < v1)
                 buf[u] = slot ? ld_cg(src + q) : __ldg(src + q);
         }
 #ifdef HEP_BULK_STORES
-        uint4 *stage = hep_stage + (threadIdx.x >> 5) * (32 * DU);
+        uint4 *stage = hep_stage + (threadIdx.x >> 5) * (32 * U);
         bulk_wait_read(); /* the previous pass's copies have read the stage */
         __syncwarp();
 #pragma unroll
-        for (int u = 0; u < DU; u++) {
+        for (int u = 0; u < U; u++) {
             const int q = v0 + u * 32 + lane;
             if (q < v1)
                 stage[q - v0] = buf[u];
@@ -93,7 +94,7 @@ __device__ __forceinline__ void push_row(const uint4 *src, bool slot, unsigned m
             const int d = __shfl_sync(FULL, kd, k), r = __shfl_sync(FULL, row, k);
             uint4 *dst = (uint4 *)(s_x[d] + (size_t)r * rb);
 #pragma unroll
-            for (int u = 0; u < DU; u++) {
+            for (int u = 0; u < U; u++) {
                 const int q = v0 + u * 32 + lane;
                 if (q < v1)
                     ST_ROW(dst + q, buf[u]);
@@ -110,6 +111,7 @@ __device__ __forceinline__ void push_row(const uint4 *src, bool slot, unsigned m
 // Token i of the list is row vi of the view (the same for the own tokens); a slot's token
 // takes its positions from the offsets its sender shipped and records them in dest_rows
 // (list L's positions, which combine reads).
+template <int U = DU>
 __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, int L, int i,
                                            int vi, int mybase, char *const *s_x,
                                            float *const *s_prob, float *const *s_scale,
@@ -120,7 +122,7 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
     const size_t rb = (size_t)a.H * a.esize, T = (size_t)a.T;
     const int nvec = (int)(rb / 16);
     /* equal passes: a 14 KB row is two passes of 448 vectors, not 512 + 384 */
-    const int passes = (nvec + 32 * DU - 1) / (32 * DU);
+    const int passes = (nvec + 32 * U - 1) / (32 * U);
     const int per_pass = ((nvec + passes - 1) / passes + 31) & ~31;
     // the token's positions, slots, weights and scales are loaded together, before any of
     // them is used: one memory round trip ahead of the row's loads, not three in a row
@@ -161,7 +163,7 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
         if (!mask)
             return;
     }
-    push_row((const uint4 *)(v.tok + (size_t)i * rb), v.slot, mask, lane, row, s_x, rb, nvec,
+    push_row<U>((const uint4 *)(v.tok + (size_t)i * rb), v.slot, mask, lane, row, s_x, rb, nvec,
              per_pass);
     for (unsigned m = mask; m; m &= m - 1) {
         const int d = __ffs(m) - 1;
@@ -261,6 +263,11 @@ __device__ void record_routing(const hep_kargs &a)
 static_assert(DISPATCH_THREADS >= HEP_GPU_MAX_NODES, "one thread per other node (wait_slots)");
 
 // ---- N > 1: the inter-node rings (kernels/ring.cuh), both sides in this kernel.
+#ifndef RING_DU
+#define RING_DU 6 /* 16-byte vectors a lane in flight when forwarding a chunk: the rings' state
+                     is live there too, and with DU (or 8) of them ptxas spills registers in
+                     the across-nodes instance; 6 spills none (a tuning knob: bench/gpu_variants.sh, bench/gpu_ab.sh) */
+#endif
 
 // This block's share of chunk k (`rows` tokens) of the ring to node m: each token's row,
 // sanitized routing, offsets at m's ranks (the pack's) and scales into position k % P of
@@ -368,7 +375,7 @@ __device__ bool forward_chunk(const hep_kargs &a, int L, int k, int n, int cnt, 
         block_range(rows, blockIdx.x, gridDim.x, r0, r1);
         warp_range(r0, r1, threadIdx.x >> 5, blockDim.x >> 5, w0, w1);
         for (int r = w0; r < w1; r++)
-            push_token(a, v, L, k * a.C + r, r, mybase, s_x, s_prob, s_scale, drop_cnt);
+            push_token<RING_DU>(a, v, L, k * a.C + r, r, mybase, s_x, s_prob, s_scale, drop_cnt);
         bulk_wait_all(); /* HEP_BULK_STORES: the chunk's copies are done */
     }
     __syncthreads();
@@ -448,8 +455,9 @@ __device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool ove
 #include "kernels/expert_major.cuh"
 
 // EM: the expert-major layout (kernels/expert_major.cuh); the rank-major kernel is the
-// EM = false instance, its loops untouched.
-template <bool EM>
+// EM = false instance, its loops untouched. NODES: N > 1 (the rings' code is in these
+// instances only, so that it takes no registers from the one-node instances).
+template <bool EM, bool NODES>
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
 {
     extern __shared__ int sm[];
@@ -537,13 +545,13 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     // every slot is still waited for and consumed, so that every sender finishes)
     const bool over = a.cap && ld_l2(a.over);
     if (EM) { /* then the slots */
-        if (N > 1) { /* the ring holds each whole slot (group/ep.c): no credits, no steps */
+        if (NODES) { /* the ring holds each whole slot (group/ep.c): no credits, no steps */
             if (!ring_dispatch(a, e, over, false, s_x, s_prob, s_scale, NULL))
                 return;
         }
         if (!over)
             em_push(a, s, s_x, s_prob, s_scale);
-        if (N > 1) {
+        if (NODES) {
             if (!wait_slots(a, a.slot_words + N, e, HEP_STAGE_NODE_DISPATCH))
                 return;
             if (!em_push_slots(a, e, s, s_x, s_prob, s_scale, !over))
@@ -554,11 +562,11 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     }
     // (a.drop: each list's dropped rows come off this rank's counts of that list)
     int *drop_base = a.drop ? mine : NULL;
-    if (N == 1 && !over)
+    if (!NODES && !over)
         push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, drop_base); /* list 0 */
     // across nodes each slot token's positions are its sender's offsets (no scan here), so
     // any block forwards any chunk as it lands
-    if (N > 1 && !ring_dispatch(a, e, over, true, s_x, s_prob, s_scale, drop_base))
+    if (NODES && !ring_dispatch(a, e, over, true, s_x, s_prob, s_scale, drop_base))
         return;
     arrive_all(a, e);
     if (b == 0)
@@ -587,7 +595,8 @@ extern "C" int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream)
 {
     size_t smem = hep_dispatch_smem(a->R, a->El);
     cudaError_t e = cudaSuccess;
-    void (*k)(hep_kargs) = a->emajor ? k_dispatch<true> : k_dispatch<false>;
+    void (*k)(hep_kargs) = a->emajor ? (a->N > 1 ? k_dispatch<true, true> : k_dispatch<true, false>)
+                                     : (a->N > 1 ? k_dispatch<false, true> : k_dispatch<false, false>);
     if (smem > 48 * 1024)
         e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess)
@@ -599,8 +608,12 @@ extern "C" int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream)
 extern "C" int hep_preload_dispatch(void)
 {
     cudaFuncAttributes fa;
-    cudaError_t e = cudaFuncGetAttributes(&fa, (const void *)k_dispatch<false>);
+    cudaError_t e = cudaFuncGetAttributes(&fa, (const void *)k_dispatch<false, false>);
     if (e == cudaSuccess)
-        e = cudaFuncGetAttributes(&fa, (const void *)k_dispatch<true>);
+        e = cudaFuncGetAttributes(&fa, (const void *)k_dispatch<false, true>);
+    if (e == cudaSuccess)
+        e = cudaFuncGetAttributes(&fa, (const void *)k_dispatch<true, false>);
+    if (e == cudaSuccess)
+        e = cudaFuncGetAttributes(&fa, (const void *)k_dispatch<true, true>);
     return (int)e;
 }
