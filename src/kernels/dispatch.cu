@@ -264,9 +264,10 @@ static_assert(DISPATCH_THREADS >= HEP_GPU_MAX_NODES, "one thread per other node 
 
 // ---- N > 1: the inter-node rings (kernels/ring.cuh), both sides in this kernel.
 #ifndef RING_DU
-#define RING_DU 6 /* 16-byte vectors a lane in flight when forwarding a chunk: the rings' state
-                     is live there too, and with DU (or 8) of them ptxas spills registers in
-                     the across-nodes instance; 6 spills none (a tuning knob: bench/gpu_variants.sh, bench/gpu_ab.sh) */
+/* 16-byte vectors a lane in flight when forwarding a chunk: the rings' state is live there
+ * too, and with DU (or 8) of them ptxas spills registers in the across-nodes instance; 6
+ * spills none (a tuning knob: bench/gpu_variants.sh, bench/gpu_ab.sh) */
+#define RING_DU 6
 #endif
 
 // This block's share of chunk k (`rows` tokens) of the ring to node m: each token's row,
