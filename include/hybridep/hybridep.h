@@ -77,7 +77,8 @@ typedef struct hep_config {
                              115 KB) and the memory per rank stays almost flat in the number
                              of nodes. GPU, 512: a chunk costs the CPU proxy a round trip of
                              its credit, so chunks are larger there; EP64 (8 x 8, T = 4096,
-                             H = 7168, BF16) plans 3.99 GB per rank with it, 4.60 GB with 0.
+                             H = 7168, E_l = 4, K = 8, BF16) plans 3.97 GB per rank with it,
+                             4.60 GB with 0.
                              The GPU kernels take the expert-major layout across nodes only
                              where the ring holds the whole slot (2 x C >= T, or C = 0).
                              `hybridep plan --chunk` shows the memory either way. */
