@@ -96,8 +96,8 @@ import json, sys
 d = json.load(sys.stdin)
 b = {x["name"]: x for x in d["buffers"]}
 sys.exit(0 if d["backend"] == "gpu" and d["max_recv_rows"] == 1024 * 4096
-         and d["chunk_tokens"] == 512 and d["ring_chunks"] == 2
-         and b["dispatch.rdma_inter_node_group_token"]["count"] == 127 * 1024 * 7168 else 1)'; }
+         and d["chunk_tokens"] == 3584 // 127 and d["ring_chunks"] == 2
+         and b["dispatch.rdma_inter_node_group_token"]["count"] == 127 * 56 * 7168 else 1)'; }
 plan_gpu_rejects_129_nodes() { fails_with 1 "129 nodes is not in 1..128 (the GPU backend's limit)" \
     "$H" plan --nodes 129 --ranks-per-node 8; }
 plan_rejects_fp8_hidden() { fails_with 1 "multiple of 128" "$H" plan --dtype fp8 --hidden 7000; }

@@ -72,14 +72,14 @@ static void plan_gpu_across_nodes_sizes_the_receive_buffers_by_the_capacity(void
     assert_true(p.device_bytes < worst.device_bytes);
     assert_true(worst.device_bytes - p.device_bytes >= (512 - 100) * (512 * 2 + 16 + 16) - 3 * 65536);
     /* the README's figures: EP64 (8 x 8, T 4096, H 7168, BF16, E_l 4, K 8) at 2 x the mean,
-     * 1.11 GB per rank with the GPU's default rings (2 x 512 rows a node), 1.84 GB at 32 x 8;
-     * with one chunk of T per slot (chunk 0) 1.74 GB and 4.61 GB */
+     * 1.11 GB per rank with the GPU's default rings (2 x 512 rows a node), 1.12 GB at 32 x 8
+     * (2 x 115); with one chunk of T per slot (chunk 0) 1.74 GB and 4.61 GB */
     c = base(7168, 4096, 4, 8, HEP_DTYPE_BF16);
     c.max_recv_rows = 62880;
     assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
     assert_true(p.device_bytes > 1110000000u && p.device_bytes < 1120000000u);
     assert_int_equal(hep_plan_make(&c, 32, 8, &p), HEP_OK);
-    assert_true(p.device_bytes > 1830000000u && p.device_bytes < 1840000000u);
+    assert_true(p.device_bytes > 1115000000u && p.device_bytes < 1125000000u);
     c.chunk_tokens = 0;
     assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
     assert_true(p.device_bytes > 1735000000u && p.device_bytes < 1745000000u);
@@ -96,7 +96,8 @@ static void plan_memory_targets_of_the_rings(void **state)
     static hep_plan p;
     size_t ep64;
     (void)state;
-    /* the default is the backend's: rings of 2 x 512 tokens on the GPU, 2 x 8 on the host;
+    /* the default is the backend's: rings of 2 x 512 tokens on the GPU at 8 nodes, 2 x 8 on
+     * the host;
      * either way EP64 fits 4.0 GB per rank, where one chunk of T plans 4.60 GB */
     assert_int_equal(c.chunk_tokens, HEP_CHUNK_DEFAULT);
     assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
@@ -107,15 +108,22 @@ static void plan_memory_targets_of_the_rings(void **state)
     c.chunk_tokens = 0;
     assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
     assert_true(p.device_bytes > 4590000000u);
-    /* GPU at a capacity of 2 x the uniform mean: 1.11 GB for EP64; the default chunk's
-     * rings grow with the nodes (4.73 GB for EP1024), chunks of 8 keep them almost flat
-     * (0.91 GB -> 1.00 GB: the rings, and the kernels' layout scratch of T x W ints) */
+    /* GPU at a capacity of 2 x the uniform mean: 1.11 GB for EP64; the default chunk
+     * (3584 / (N - 1) tokens) keeps the rings' tokens the same at any node count: 1.12 GB
+     * for EP256, 1.15 GB for EP1024 (chunks of 28); chunks of 8 likewise (0.91 -> 1.00 GB:
+     * the rings, and the kernels' layout scratch of T x W ints) */
     c.chunk_tokens = HEP_CHUNK_DEFAULT;
     c.max_recv_rows = 62880;
     assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
     assert_true(p.device_bytes > 1100000000u && p.device_bytes < 1120000000u);
+    ep64 = p.device_bytes;
+    assert_int_equal(hep_plan_make(&c, 32, 8, &p), HEP_OK);
+    assert_int_equal(p.chunk, 3584 / 31);
+    assert_true(p.device_bytes <= ep64 + ep64 / 10);
     assert_int_equal(hep_plan_make(&c, 128, 8, &p), HEP_OK);
-    assert_true(p.device_bytes > 4720000000u && p.device_bytes < 4740000000u);
+    assert_int_equal(p.chunk, 3584 / 127);
+    assert_true(p.device_bytes > 1140000000u && p.device_bytes < 1160000000u);
+    assert_true(p.device_bytes <= ep64 + ep64 / 10);
     c.chunk_tokens = 8;
     assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
     ep64 = p.device_bytes;

@@ -47,10 +47,11 @@ static const char *chunk_words(const hep_config *c, const hep_plan_info *p)
 {
     (void)p;
     static char w[96];
-    if (c->chunk_tokens == HEP_CHUNK_DEFAULT)
-        snprintf(w, sizeof(w), "--chunk %d, the %s backend's default",
-                 c->backend == HEP_BACKEND_HOST ? HEP_CHUNK_DEFAULT_HOST : HEP_CHUNK_DEFAULT_GPU,
-                 c->backend == HEP_BACKEND_HOST ? "host" : "GPU");
+    if (c->chunk_tokens == HEP_CHUNK_DEFAULT && c->backend == HEP_BACKEND_HOST)
+        snprintf(w, sizeof(w), "--chunk %d, the host backend's default", HEP_CHUNK_DEFAULT_HOST);
+    else if (c->chunk_tokens == HEP_CHUNK_DEFAULT)
+        snprintf(w, sizeof(w), "the GPU backend's default chunk: %d / (N - 1) tokens, 8 to %d",
+                 HEP_CHUNK_GPU_RING_TOKENS, HEP_CHUNK_DEFAULT_GPU);
     else
         snprintf(w, sizeof(w), "--chunk %d", c->chunk_tokens);
     return w;
@@ -255,7 +256,7 @@ int hep_cmd_plan(int argc, char **argv)
              "0 = none)"},
             {"chunk", CLI_INT, &c.chunk_tokens, 0, 1 << 30, NULL, "C",
              "tokens per chunk of the inter-node rings (0 = one chunk of T per slot; default: "
-             "the backend's, 512 on the GPU, 8 on the host)"},
+             "the backend's: on the GPU 3584 / (N - 1) tokens, 8 to 512; 8 on the host)"},
             {"backend", CLI_CHOICE, &backend, 0, 0, "gpu|host", NULL,
              "whose plan"},
             {"dtype", CLI_CHOICE, &dtype, 0, 0, "bf16|fp8", NULL, "dispatch payload"},

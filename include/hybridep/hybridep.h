@@ -41,11 +41,15 @@ typedef enum { HEP_BACKEND_GPU = 0, HEP_BACKEND_HOST = 1 } hep_backend;
 #define HEP_MAX_RANKS_PER_NODE_HOST 64
 #define HEP_MAX_NODES_HOST 128
 /* config.chunk_tokens = HEP_CHUNK_DEFAULT (the default) takes the backend's default:
- * HEP_CHUNK_DEFAULT_HOST tokens on the host backend, HEP_CHUNK_DEFAULT_GPU on the GPU
- * kernels. Any other value means the same on both. */
+ * HEP_CHUNK_DEFAULT_HOST tokens on the host backend; on the GPU kernels
+ * HEP_CHUNK_GPU_RING_TOKENS / (N - 1) tokens, between 8 and HEP_CHUNK_DEFAULT_GPU (512 up
+ * to 8 nodes, 28 at 128): a rank's rings hold as many tokens in all as 8 nodes' rings of
+ * 512, so their memory stays flat in the number of nodes, while a node's share of a
+ * rank's tokens (its slot) shrinks as N grows. Any other value means the same on both. */
 #define HEP_CHUNK_DEFAULT (-1)
 #define HEP_CHUNK_DEFAULT_HOST 8
 #define HEP_CHUNK_DEFAULT_GPU 512
+#define HEP_CHUNK_GPU_RING_TOKENS 3584
 
 typedef struct hep_config {
     int hidden;           /* H: channels per token. BF16: a multiple of 8 (16-byte rows);
@@ -67,7 +71,8 @@ typedef struct hep_config {
                              Default 16. All co-located ranks of a GPU must fit together. */
     int combine_sms;      /* likewise for combine. Default 16. */
     int chunk_tokens;     /* C: -1..4096, default HEP_CHUNK_DEFAULT (-1): the backend's
-                             default, 8 on the host backend, 512 on the GPU kernels. N > 1:
+                             default, 8 on the host backend, 3584 / (N - 1) clamped to 8..512
+                             on the GPU kernels (above). N > 1:
                              each inter-node slot (receive, send staging, partial sums) is a
                              ring of 2 chunks of C tokens, freed back to the sender by
                              credits, so these buffers hold 2 x C rows per other node instead
@@ -75,7 +80,7 @@ typedef struct hep_config {
                              chunk position per C tokens that T needs). Host backend, 8: a
                              chunk is still one large write (8 rows of H = 7168 BF16 are
                              115 KB) and the memory per rank stays almost flat in the number
-                             of nodes. GPU, 512: a chunk costs the CPU proxy a round trip of
+                             of nodes. GPU, 512 up to 8 nodes: a chunk costs the CPU proxy a round trip of
                              its credit, so chunks are larger there; EP64 (8 x 8, T = 4096,
                              H = 7168, E_l = 4, K = 8, BF16) plans 3.97 GB per rank with it,
                              4.60 GB with 0.

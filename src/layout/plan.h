@@ -96,6 +96,10 @@ typedef struct hep_plan {
 /* Plan for `nodes` x `ranks_per_node` ranks. 0 or HEP_ERR_INVALID (with the reason). */
 int hep_plan_make(const hep_config *cfg, int nodes, int ranks_per_node, hep_plan *out);
 
+/* The chunk of config.chunk_tokens = HEP_CHUNK_DEFAULT on `backend` with `nodes` nodes
+ * (hybridep.h). */
+int hep_chunk_default(int backend, int nodes);
+
 const char *hep_arena_name(int arena);
 
 #endif
