@@ -127,7 +127,7 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
     // the token's positions, slots, weights and scales are loaded together, before any of
     // them is used: one memory round trip ahead of the row's loads, not three in a row
     int *drow = a.dest_rows + ((size_t)L * T + i) * R;
-    const int pos = lane >= R ? -1 : v.off ? v.off[(size_t)vi * R + lane] : drow[lane];
+    const int pos = lane >= R ? -1 : v.off ? __ldcg(v.off + (size_t)vi * R + lane) : drow[lane];
     if (v.off && lane < R)
         drow[lane] = pos;
     i = vi; /* from here on, the view's row */
@@ -137,7 +137,8 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
                            ((uintptr_t)v.scl & 15) == 0 && ((uintptr_t)s_scale[0] & 15) == 0;
     float4 sc = make_float4(0.f, 0.f, 0.f, 0.f);
     if (vec_scale && lane < a.nscale / 4) /* one 16-byte vector a lane where they fit */
-        sc = ((const float4 *)(v.scl + (size_t)i * a.nscale))[lane];
+        sc = v.slot ? __ldcg((const float4 *)(v.scl + (size_t)i * a.nscale) + lane)
+                    : ((const float4 *)(v.scl + (size_t)i * a.nscale))[lane];
     const bool dropped = pos >= 0 && a.cap && mybase + pos >= a.cap;
     const int row = pos >= 0 && !dropped ? mybase + pos : -1;
     const unsigned mask = __ballot_sync(FULL, row >= 0);
@@ -179,7 +180,8 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
                 ((float4 *)(s_scale[d] + (size_t)r * a.nscale))[lane] = sc;
         } else {
             for (int c = lane; c < a.nscale; c += 32)
-                s_scale[d][(size_t)r * a.nscale + c] = v.scl[(size_t)i * a.nscale + c];
+                s_scale[d][(size_t)r * a.nscale + c] =
+                    v.slot ? __ldcg(v.scl + (size_t)i * a.nscale + c) : v.scl[(size_t)i * a.nscale + c];
         }
     }
 }

@@ -301,7 +301,8 @@ __device__ __forceinline__ void em_push_token(const hep_kargs &a, const lview &v
         const int k = __ffs(m) - 1;
         const int d = __shfl_sync(FULL, kd, k), r = __shfl_sync(FULL, row, k);
         for (int c = lane; c < a.nscale; c += 32)
-            s_scale[d][(size_t)r * a.nscale + c] = v.scl[(size_t)i * a.nscale + c];
+            s_scale[d][(size_t)r * a.nscale + c] =
+                v.slot ? __ldcg(v.scl + (size_t)i * a.nscale + c) : v.scl[(size_t)i * a.nscale + c];
     }
 }
 

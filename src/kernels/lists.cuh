@@ -53,14 +53,18 @@ __device__ __forceinline__ lview list_of(const hep_kargs &a, int L)
     return v;
 }
 
+// A slot's words landed over the network, and with rings a position is written again in
+// the same kernel for a later chunk: they are read at L2 (ld.cg), never from a line an
+// earlier chunk left in L1 (the acquire after the chunk's flag orders them too; this does
+// not rely on how it is implemented).
 __device__ __forceinline__ long long list_id(const hep_kargs &a, const lview &v, int i, int k)
 {
-    return v.slot ? (long long)v.ids[(size_t)i * a.kmax + k] : topk_at(a, i, k);
+    return v.slot ? (long long)__ldcg(v.ids + (size_t)i * a.kmax + k) : topk_at(a, i, k);
 }
 __device__ __forceinline__ float list_w(const hep_kargs &a, const lview &v, int i, int k)
 {
     (void)a;
-    return v.w[(size_t)i * v.K + k];
+    return v.slot ? __ldcg(v.w + (size_t)i * v.K + k) : v.w[(size_t)i * v.K + k];
 }
 
 // Block b's share of a list of t tokens: [t0, t1).
