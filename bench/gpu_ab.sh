@@ -3,16 +3,20 @@
 # bench/gpu_variants.sh (.gpu/var/<name>), AB_ROUNDS (2) rounds, builds alternating, so that
 # the GPU's state drifts over all of them alike. Prints one table row per (build, bench).
 # AB_VARIANTS: the variant names (default: every .gpu/var/* without "trace" in its name);
-# AB_SWEEP1: the one-rank SM counts (16,132). Trace builds (HEP_LAYOUT_TRACE) run once each, their cycle lines printed.
+# AB_SWEEP1: the one-rank SM counts (16,132). A name may also be a whole second build carried
+# as .gpu/<name> (bench/gpu_build.sh of another branch, its library in .gpu/<name>/lib).
+# AB_SET=nodes runs the 2 x 4 and 4 x 2 loopback benches instead (BF16, --sms 12 and 16, and
+# AB_NODE_ARGS, default "--chunk 0" where the build has rings: one extra row set). Trace builds (HEP_LAYOUT_TRACE) run once each, their cycle lines printed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hep-gpu}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}
+node_args=${AB_NODE_ARGS-"--chunk 0"}
 names=${AB_VARIANTS:-$(ls .gpu/var 2>/dev/null | grep -v trace | tr '\n' ' ')}
 run() { # build-dir label args...
   local dir=$1 label=$2; shift 2
-  LD_LIBRARY_PATH=$dir:$LD_LIBRARY_PATH timeout 120 $dir/hybridep bench "$@" > "$OUT/ab_last.txt" 2>&1
+  LD_LIBRARY_PATH=$dir:$dir/lib:$LD_LIBRARY_PATH timeout 120 $dir/hybridep bench "$@" > "$OUT/ab_last.txt" 2>&1
   local rc=$?
   echo "== $label $*" >> "$OUT/ab.txt"; cat "$OUT/ab_last.txt" >> "$OUT/ab.txt"
   awk -v l="$label" '/^ *[0-9]+ +[0-9]+ +[0-9.]+ /{printf "%-8s %s\n", l, $0}
@@ -23,7 +27,19 @@ run() { # build-dir label args...
 for r in $(seq 1 "${AB_ROUNDS:-2}"); do
   echo "--- round $r"
   for n in base $names; do
-    d=.gpu; [ "$n" = base ] || d=.gpu/var/$n
+    d=.gpu; [ "$n" = base ] || d=.gpu/var/$n; [ -d "$d" ] || d=.gpu/$n
+    if [ "${AB_SET:-kernels}" = nodes ]; then
+      for shape in "2 4" "4 2"; do
+        set -- $shape
+        for sms in 12 16; do
+          HEP_GPU_MR_MODE=dmabuf HEP_LOG_LEVEL=warn run $d "$n" --nodes $1 --ranks-per-node $2 --sms $sms
+        done
+        if [ -n "$node_args" ] && "$d/hybridep" bench --help 2>&1 | grep -q -- "${node_args%% *}"; then
+          HEP_GPU_MR_MODE=dmabuf HEP_LOG_LEVEL=warn run $d "$n" --nodes $1 --ranks-per-node $2 --sms 12 $node_args
+        fi
+      done
+      continue
+    fi
     run $d "$n" --ranks-per-node 1 --experts-per-rank 8 --topk 8 --sweep-sms "${AB_SWEEP1:-16,132}"
     run $d "$n" --sweep-sms 8,16
     run $d "$n" --dtype fp8 --sweep-sms 16

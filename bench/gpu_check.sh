@@ -23,15 +23,16 @@
 #     speed-of-light, memory, warp-state and scheduler sections (not part of `all`: name it)
 #   nodesms: the 2 x 4 and 4 x 2 benches (BF16) at NODE_SMS (8 12 16) SMs per rank: how the
 #     loopback NIC's copies fare with more SMs left free (not part of `all`: name it)
+#   GPU_DIR: the build to run (.gpu; e.g. .gpu/ring for a second build carried beside it)
 #   TEST_FILTER: a cmocka pattern (e.g. '*huge_timeout*') for the test_gpu_ep cases `test`
 #     runs; TRAIN_TEST_FILTER the same for test_gpu_train
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hep-gpu}
 mkdir -p "$OUT"
-export LD_LIBRARY_PATH=$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}
+B=${GPU_DIR:-.gpu}
+export LD_LIBRARY_PATH=$PWD/$B/lib:${LD_LIBRARY_PATH:-}
 export CUDA_DEVICE_MAX_CONNECTIONS=32 PYTHONUNBUFFERED=1 HEP_TIMEOUT_MS=${HEP_TIMEOUT_MS:-5000}
-B=.gpu
 MODES=" ${*:-all} "
 want() { [[ "$MODES" == *" all "* || "$MODES" == *" $1 "* ]]; }
 named() { [[ "$MODES" == *" $1 "* ]]; }
@@ -78,7 +79,7 @@ if want sweep; then
 fi
 if want variants; then
   {
-    for v in .gpu/var/*/; do
+    for v in $B/var/*/; do
       v=${v%/}
       step "variant $(basename "$v"): hybridep bench (bf16, fp8) and one rank at 24 SMs"
       LD_LIBRARY_PATH=$v:$LD_LIBRARY_PATH $v/hybridep bench ${BENCH_ARGS:-}
@@ -163,7 +164,7 @@ if named train; then
 fi
 if want python; then
   step "python package on the GPU (8 processes, with and without MPS)"
-  HEP_BUILD_DIR=.gpu timeout ${PY_TIMEOUT:-560} bash python/tests/gpu_run.sh > "$OUT/python.txt" 2>&1
+  HEP_BUILD_DIR=$B timeout ${PY_TIMEOUT:-560} bash python/tests/gpu_run.sh > "$OUT/python.txt" 2>&1
   echo "gpu_run.sh exit: $?"
   sed -n '/^=== python summary/,$p' "$OUT/python.txt"
   grep -q '^=== python summary' "$OUT/python.txt" || tail -30 "$OUT/python.txt"

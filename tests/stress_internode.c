@@ -56,11 +56,11 @@ typedef struct dev_bufs {
     float *sc, *w;
 } dev_bufs;
 
-static int dev_alloc(const ep_case *c, size_t max_recv, dev_bufs *d)
+static int dev_alloc(const ep_case *c, int rank, size_t max_recv, dev_bufs *d)
 {
     const size_t T = (size_t)c->cfg.max_tokens + 1, H = (size_t)c->cfg.hidden;
     memset(d, 0, sizeof(*d));
-    return cudaStreamCreateWithFlags(&d->st, cudaStreamNonBlocking) != cudaSuccess ||
+    return rank_stream(rank, (void **)&d->st) ||
            cudaMalloc(&d->tok, T * H * esize(c)) != cudaSuccess ||
            cudaMalloc((void **)&d->sc, T * (H / 128 + 1) * 4) != cudaSuccess ||
            cudaMalloc(&d->idx, T * (size_t)c->K * 8) != cudaSuccess ||
@@ -72,9 +72,7 @@ static int dev_alloc(const ep_case *c, size_t max_recv, dev_bufs *d)
 static void dev_free(dev_bufs *d)
 {
     cudaFree(d->tok), cudaFree(d->sc), cudaFree(d->idx), cudaFree(d->w), cudaFree(d->eo);
-    cudaFree(d->out);
-    if (d->st)
-        cudaStreamDestroy(d->st);
+    cudaFree(d->out); /* the stream is the rank's for the process (rank_stream) */
 }
 
 #define CK(x)                                                                                    \
@@ -200,7 +198,7 @@ static int stress_rank(rank_ctx *rc)
         hep_group_get_info(g, &gi);
         maxr = (size_t)gi.max_recv_rows;
     }
-    if (s->gpu && dev_alloc(c, maxr, &d)) {
+    if (s->gpu && dev_alloc(c, rc->rank, maxr, &d)) {
         snprintf(o->err, sizeof(o->err), "device buffers: %s",
                  cudaGetErrorString(cudaGetLastError()));
         o->rc_dispatch = HEP_ERR_CUDA;

@@ -112,7 +112,7 @@ static int run_rank_gpu(rank_ctx *rc)
         return rc0;
     }
     maxr = g->plan.max_recv_rows;
-    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    CK((cudaError_t)rank_stream(rc->rank, (void **)&st));
     CK(cudaMalloc(&d_tok, rb * (size_t)in->t + 16));
     CK(cudaMalloc((void **)&d_sc, sizeof(float) * (size_t)(ns + 1) * (size_t)(in->t + 1)));
     CK(cudaMalloc(&d_idx, ib * (size_t)c->K * (size_t)(in->t + 1)));
@@ -259,8 +259,6 @@ out:
     if (graph)
         cudaGraphDestroy(graph);
     cudaFree(d_tok), cudaFree(d_sc), cudaFree(d_idx), cudaFree(d_w), cudaFree(d_eo), cudaFree(d_out);
-    if (st)
-        cudaStreamDestroy(st);
     hep_group_destroy(g);
     return 0;
 }
@@ -643,7 +641,10 @@ static int capture_rank(rank_ctx *r)
     cudaSetDevice(0);
     if ((rc = hep_group_create(&c, &r->bs, 0, &g)))
         return rc;
-    cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+    if (rank_stream(r->rank, (void **)&st)) {
+        hep_group_destroy(g);
+        return -1;
+    }
     memset(&da, 0, sizeof(da));
     da.topk = 2;
     da.stream = st;
@@ -654,7 +655,6 @@ static int capture_rank(rank_ctx *r)
     cudaStreamEndCapture(st, &graph);
     if (graph)
         cudaGraphDestroy(graph);
-    cudaStreamDestroy(st);
     hep_group_destroy(g);
     return rc == HEP_ERR_UNAVAILABLE ? 0 : -1;
 }
@@ -685,12 +685,10 @@ static int legacy_stream_rank(rank_ctx *r)
     hep_combine_args ca;
     int rc, ok = 1;
     cudaSetDevice(0);
-    if (cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess)
+    if (rank_stream(r->rank, (void **)&st))
         return -1;
-    if ((rc = hep_group_create(&c, &r->bs, 0, &g))) {
-        cudaStreamDestroy(st);
+    if ((rc = hep_group_create(&c, &r->bs, 0, &g)))
         return rc;
-    }
     memset(&da, 0, sizeof(da));
     da.topk = 2; /* num_tokens 0 */
     da.stream = st;
@@ -708,7 +706,6 @@ static int legacy_stream_rank(rank_ctx *r)
         char keep[1024]; /* the message the test prints, past destroy */
         snprintf(keep, sizeof(keep), "%s", hep_last_error());
         hep_group_destroy(g);
-        cudaStreamDestroy(st);
         hep_set_last_error(HEP_ERR_INVALID, "%s", keep);
     }
     return ok ? 0 : -1;
@@ -920,14 +917,12 @@ static int gpu_fault_rank(rank_ctx *r)
     cudaSetDevice(0);
     /* a stream of its own: on the legacy default stream the ranks' kernels would queue
      * behind each other (the library refuses it) */
-    if (cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess)
+    if (rank_stream(r->rank, (void **)&st))
         return HEP_ERR_CUDA;
     f->stage[r->rank] = "group create";
     rc = hep_group_create_ex(&c, &r->bs, 0, &hooks, &g);
-    if (rc) {
-        cudaStreamDestroy(st);
+    if (rc)
         return rc;
-    }
     if (r->rank != f->early) {
         f->stage[r->rank] = "allocating inputs";
         cudaMalloc(&x, 32 * FAULT_H * 2);
@@ -981,7 +976,6 @@ static int gpu_fault_rank(rank_ctx *r)
     f->rc_destroy[r->rank] = hep_group_destroy(g);
     if (f->rc_destroy[r->rank])
         snprintf(f->msg[r->rank], sizeof(f->msg[0]), "%s", hep_last_error());
-    cudaStreamDestroy(st);
     return 0;
 }
 

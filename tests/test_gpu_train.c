@@ -837,7 +837,7 @@ static int run_rank(rank_ctx *x)
     memset(&b, 0, sizeof(b));
     if (c->gpu) {
         if (cudaSetDevice(0) != cudaSuccess ||
-            cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking) != cudaSuccess)
+            rank_stream(r, (void **)&st))
             FAIL("rank %d: CUDA stream", r);
     }
     cfg.backend = c->gpu ? HEP_BACKEND_GPU : HEP_BACKEND_HOST;
@@ -1042,8 +1042,6 @@ out:
     hep_handle_destroy(hB);
     free_bufs(&m, &b);
     hep_group_destroy(g);
-    if (st)
-        cudaStreamDestroy(st);
     return o->err[0] ? 1 : 0;
 }
 

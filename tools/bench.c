@@ -19,6 +19,7 @@
 
 /* Every rank is a thread of this process; one node's limit of the library. */
 #define BENCH_MAX_RANKS 72
+#define BENCH_MAX_GPUS 64 /* --gpus */
 #define BENCH_DEFAULT_SEED 1
 
 typedef struct bench_opts {
@@ -680,6 +681,23 @@ out:
     return NULL;
 }
 
+/* Rank r's stream on GPU dev, made once and kept for the process: a GPU has at most 32
+ * hardware queues, taken in turn by each new stream, so streams made per run (a sweep
+ * runs the ranks again at every SM count) would soon share a queue with a live rank's, and
+ * a rank's kernel would wait behind one that waits for it. */
+static cudaError_t bench_stream(int dev, int r, cudaStream_t *out)
+{
+    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+    static cudaStream_t streams[BENCH_MAX_GPUS][BENCH_MAX_RANKS];
+    cudaError_t e = cudaSuccess;
+    pthread_mutex_lock(&lock);
+    if (!streams[dev][r])
+        e = cudaStreamCreateWithFlags(&streams[dev][r], cudaStreamNonBlocking);
+    *out = streams[dev][r];
+    pthread_mutex_unlock(&lock);
+    return e;
+}
+
 static void *gpu_rank(void *p)
 {
     thread_arg *ta = p;
@@ -706,7 +724,7 @@ static void *gpu_rank(void *p)
     HCK(hep_group_get_info(g, &gi));
     if (ta->rank == 0)
         snprintf(b->nic, sizeof(b->nic), "%s", gi.transport);
-    CKB(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    CKB(bench_stream(dev, ta->rank, &st));
     for (int k = 0; k < 7; k++)
         CKB(cudaEventCreate(&ev[k]));
     CKB(cudaMalloc(&d_tok, rb * (size_t)d->t + 16));
@@ -840,8 +858,6 @@ out:
     for (int k = 0; k < 7; k++)
         if (ev[k])
             cudaEventDestroy(ev[k]);
-    if (st)
-        cudaStreamDestroy(st);
     hep_group_destroy(g);
     return NULL;
 }
@@ -1006,7 +1022,7 @@ static int parse(int argc, char **argv, bench_opts *o)
             {"warmup", CLI_INT, &o->warmup, 0, 100000, NULL, "W", "warm-up iterations"},
             {"backend", CLI_CHOICE, &o->backend, 0, 0, "auto|gpu|host", NULL, "auto: the GPU when there is one"},
             {"routing", CLI_CHOICE, &routing, 0, 0, "uniform|skewed", NULL, "skewed: 3 in 4 slots on the first quarter of the experts"},
-            {"gpus", CLI_INT, &o->gpus, 1, 64, NULL, "G", "GPUs the ranks spread over"},
+            {"gpus", CLI_INT, &o->gpus, 1, BENCH_MAX_GPUS, NULL, "G", "GPUs the ranks spread over"},
             {"seed", CLI_INT, &o->seed, 0, 2147483647, NULL, "S", "routing and data seed"},
             {"dump-routing", CLI_STR, &o->dump, 0, 0, NULL, "FILE", "write the routing (binary)"},
             {"layout", CLI_CHOICE, &o->layout_em, 0, 0, "rank|expert", NULL, "expert: also the fused expert-major phases, a rank-major dispatch + gather, a reused layout"},

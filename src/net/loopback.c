@@ -46,8 +46,8 @@ typedef struct lb_nic {
     hep_loopback_window *win; /* across processes: [world]; NULL: one process */
     lb_card *cards;           /* across processes, after connect: [world] */
     struct ibv_pd pd;   /* identity only; never passed to libibverbs */
-    cudaStream_t stream; /* copies of device memory; never waits for the kernels */
-    cudaEvent_t last;
+    cudaStream_t stream; /* copies of device memory (copy_stream); never waits for kernels */
+    cudaEvent_t last;    /* after this NIC's last copy */
     int have_stream;
     hep_net_completion *done; /* completions waiting to be polled */
     int ndone, cap;
@@ -216,6 +216,37 @@ static int push_completion(lb_nic *n, uint64_t wr_id, int status, int peer)
     return HEP_OK;
 }
 
+/* The copy streams of device memory, per (GPU, rank mod LB_STREAMS), made once and kept for
+ * the process. A GPU has at most 32 hardware queues (CUDA_DEVICE_MAX_CONNECTIONS) and a
+ * new stream takes the next one in turn, whichever streams were destroyed meanwhile: a
+ * stream made per group would, after a few groups, share a queue with a live rank's
+ * stream, and its copy would wait behind that rank's kernel, which waits for the copy
+ * (seen on the H200: the loopback NIC's flag landed after the 5 s timeout). Kept, they
+ * take LB_STREAMS queues once; the ranks' own streams take the others. Two NICs of
+ * ranks LB_STREAMS apart share a stream: their copies only serialize (none waits for a
+ * kernel), and each NIC waits for its own event. */
+#define LB_STREAMS 16
+#define LB_GPUS 16
+static struct {
+    pthread_mutex_t lock;
+    cudaStream_t s[LB_GPUS][LB_STREAMS];
+} lb_streams = {PTHREAD_MUTEX_INITIALIZER};
+
+static cudaError_t copy_stream(int gpu, int rank, cudaStream_t *out)
+{
+    cudaError_t e = cudaSuccess;
+    cudaStream_t *s;
+    if (gpu < 0 || gpu >= LB_GPUS) /* past the cache: a stream of its own, kept as well */
+        return cudaStreamCreateWithFlags(out, cudaStreamNonBlocking);
+    pthread_mutex_lock(&lb_streams.lock);
+    s = &lb_streams.s[gpu][rank % LB_STREAMS];
+    if (!*s)
+        e = cudaStreamCreateWithFlags(s, cudaStreamNonBlocking);
+    *out = *s;
+    pthread_mutex_unlock(&lb_streams.lock);
+    return e;
+}
+
 /* device: copy with the copy engine of GPU `gpu` (the source's, where it is device
  * memory), on the NIC's stream there. */
 static int lb_copy(lb_nic *n, void *dst, const void *src, size_t len, int device, int gpu)
@@ -240,7 +271,7 @@ static int lb_copy(lb_nic *n, void *dst, const void *src, size_t len, int device
         /* the thread posting (the proxy) starts on GPU 0: a rank of another GPU copies there */
         e = cudaSetDevice(gpu);
         if (e == cudaSuccess)
-            e = cudaStreamCreateWithFlags(&n->stream, cudaStreamNonBlocking);
+            e = copy_stream(gpu, n->net.rank, &n->stream);
         if (e == cudaSuccess)
             e = cudaEventCreateWithFlags(&n->last, cudaEventDisableTiming);
         if (e != cudaSuccess)
@@ -458,10 +489,15 @@ static int lb_connect(hep_net *net, const hep_bootstrap *bs)
 static void lb_destroy(hep_net *net)
 {
     lb_nic *n = (lb_nic *)net;
-    if (n->have_stream) {
-        cudaStreamSynchronize(n->stream);
-        cudaEventDestroy(n->last);
-        cudaStreamDestroy(n->stream);
+    if (n->have_stream) { /* its copies end; the stream stays for the next NIC (copy_stream) */
+        cudaError_t e = cudaEventSynchronize(n->last);
+        if (e != cudaSuccess)
+            hep_log(HEP_LOG_WARN, "loopback NIC of rank %d: waiting for its last copy: %s",
+                    n->net.rank, cudaGetErrorString(e));
+        e = cudaEventDestroy(n->last);
+        if (e != cudaSuccess)
+            hep_log(HEP_LOG_WARN, "loopback NIC of rank %d: cudaEventDestroy: %s", n->net.rank,
+                    cudaGetErrorString(e));
     }
     free(n->done);
     free(n->cards);
