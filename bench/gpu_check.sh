@@ -3,7 +3,8 @@
 # by bench/gpu_build.sh in .gpu/ (carried with the call). Full logs go to $OUT.
 # Usage: bench/gpu_check.sh [all|test|san|bench|sweep|nodes|variants|python|mpi|stress]...  (several modes run in order;
 #   BENCH_ARGS adds options to every bench; SWEEP_SMS the SM counts of `sweep`)
-#   test: the GPU tests; san: compute-sanitizer memcheck and racecheck on small cases
+#   test: the GPU tests; san: compute-sanitizer memcheck and racecheck on small cases (SAN_BINS:
+#     test_gpu_ep test_gpu_train)
 #   sweep: one rank (E_l = 8, K = 8) and eight ranks (bench defaults) across SM counts
 #   nodes: the benches of 2 x 4 and 4 x 2 virtual nodes over the loopback NIC
 #   variants: the benches of each kernel variant built by bench/gpu_variants.sh
@@ -55,16 +56,18 @@ if want test; then
 fi
 if want san; then
   {
-    step "compute-sanitizer memcheck (small cases)"
-    HEP_GPU_TEST_SMALL=1 timeout 150 compute-sanitizer --tool memcheck --leak-check full $B/test_gpu_ep
-    step "compute-sanitizer racecheck (small cases)"
-    HEP_GPU_TEST_SMALL=1 timeout 150 compute-sanitizer --tool racecheck $B/test_gpu_ep
-    for tool in memcheck racecheck; do
-      step "compute-sanitizer $tool test_gpu_train (small cases)"
-      HEP_GPU_TEST_SMALL=1 timeout 120 compute-sanitizer --tool $tool $B/test_gpu_train
+    # the kernels run many times slower under the tools: HEP_TIMEOUT_MS SAN_TIMEOUT_MS (20000)
+    for bin in ${SAN_BINS:-test_gpu_ep test_gpu_train}; do
+      for tool in memcheck racecheck; do
+        step "compute-sanitizer $tool $bin (small cases)"
+        leak=; [ $tool = memcheck ] && leak="--leak-check full"
+        HEP_GPU_TEST_SMALL=1 HEP_TIMEOUT_MS=${SAN_TIMEOUT_MS:-20000} timeout 150 \
+          compute-sanitizer --tool $tool $leak $B/$bin
+        echo "compute-sanitizer $tool $bin exit: $?"
+      done
     done
   } > "$OUT/sanitizer.txt" 2>&1
-  grep -E "===|SUMMARY|FAILED|PASSED|exit" "$OUT/sanitizer.txt" | grep -v "^=== *$" | tail -12
+  grep -E "===|SUMMARY|FAILED|PASSED|exit" "$OUT/sanitizer.txt" | grep -v "^=== *$" | tail -16
 fi
 if want sweep; then
   {

@@ -851,6 +851,10 @@ static int run_rank(rank_ctx *x)
         FAIL("rank %d: create: %s", r, hep_last_error());
     if (setup_bufs(c, r, &m, g, &b) || hep_handle_create(g, &hA) || hep_handle_create(g, &hB))
         FAIL("rank %d: buffers or handles: %s", r, hep_last_error());
+    /* every rank's buffers exist before any rank's first kernel: a node-mate's kernel writes
+     * this rank's caller memory (the expert-major rows), and compute-sanitizer memcheck
+     * checks a kernel's accesses against the allocations made before its launch */
+    x->bs.barrier(x->bs.ctx);
     if (c->gpu)
         b.settle = &x->bs;
     if (c->cap_mode == 1) {
