@@ -46,12 +46,14 @@ static long long device_bytes_one_chunk(const hep_config *c, int nodes, int rpn)
 static const char *chunk_words(const hep_config *c, const hep_plan_info *p)
 {
     (void)p;
-    static char w[96];
+    static char w[160];
     if (c->chunk_tokens == HEP_CHUNK_DEFAULT && c->backend == HEP_BACKEND_HOST)
         snprintf(w, sizeof(w), "--chunk %d, the host backend's default", HEP_CHUNK_DEFAULT_HOST);
     else if (c->chunk_tokens == HEP_CHUNK_DEFAULT)
-        snprintf(w, sizeof(w), "the GPU backend's default chunk: %d / (N - 1) tokens, 8 to %d",
-                 HEP_CHUNK_GPU_RING_TOKENS, HEP_CHUNK_DEFAULT_GPU);
+        snprintf(w, sizeof(w),
+                 "the GPU backend's default chunk: T while the slots fit %llu MiB, else %d / "
+                 "(N - 1) tokens, 8 to %d",
+                 HEP_GPU_WHOLE_SLOT_BYTES >> 20, HEP_CHUNK_GPU_RING_TOKENS, HEP_CHUNK_DEFAULT_GPU);
     else
         snprintf(w, sizeof(w), "--chunk %d", c->chunk_tokens);
     return w;

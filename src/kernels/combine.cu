@@ -534,6 +534,9 @@ static_assert(COMBINE_THREADS >= HEP_GPU_MAX_NODES, "one thread per node (tid < 
 // block the first RED_WARPS reduce the other nodes' slots into the rings to them (the peer's
 // side), the others sum this rank's own tokens (the owner's side), so that no warp waits for
 // a credit while it is the one that would free a chunk, or the reverse.
+// WHOLE (P x C >= T: each slot fits its ring, no position is taken twice in a call, so no
+// reducer ever waits for a credit): every warp reduces first, with the own tokens' 4 x 2
+// vectors a lane, then every warp sums own tokens, as with one chunk of T per slot.
 #define RED_WARPS (COMBINE_THREADS / 64)
 #ifndef RING_CU /* a reducer's vectors a lane of RING_CD rows in flight (the same bits for
                    any): with the own tokens' 4 x 2 the rings' state makes ptxas spill */
@@ -672,6 +675,57 @@ __device__ bool reduce_rings(const hep_kargs &a, const char *const *s_x, const f
     }
 }
 
+// The reducer side with WHOLE rings (P x C >= T), one warp (rw of nrw, every warp of the
+// grid): each other node's slot chunk by chunk into the ring to that node, as reduce_rings
+// does, without its credit waits (no position is taken twice in a call) and with the own
+// tokens' 4 x 2 vectors a lane in flight.
+template <bool EM>
+__device__ __forceinline__ void reduce_whole(const hep_kargs &a, const char *const *s_x, const float *const *s_pin,
+                             int rw, int nrw, unsigned long long c)
+{
+    const int lane = threadIdx.x & 31, N = a.N, R = a.R, C = a.C;
+    const size_t rb = (size_t)a.H * 2, ST = (size_t)a.ST;
+#pragma unroll 1
+    for (int L = 0; L < N; L++) {
+        if (L == a.node)
+            continue;
+        const int s = slot_index(L, a.node), cnt = a.slot_rows[s], n = ring_chunks(cnt, C);
+        const int mybase = lane < R ? ld_l2(a.meta + L * R + lane) : 0;
+#pragma unroll 1
+        for (int k = 0; k < n; k++) {
+            const int rows = min(C, cnt - k * C);
+            int w0, w1;
+            warp_range(0, rows, rw, nrw, w0, w1);
+#pragma unroll 1
+            for (int r = w0; r < w1; r++) {
+                const int q = k * C + r;
+                const size_t row = (size_t)s * ST + (size_t)ring_row(a, q);
+                uint4 *red = (uint4 *)(a.red_token + row * rb);
+                if (EM)
+                    em_combine_row<4>(a, s_x, L, q, red, NULL);
+                else
+                    combine_row<false, 4, 2>(a, s_x, L, q, mybase, red, NULL);
+                if (a.probs_out) {
+                    float *pr = a.red_prob + row * R * a.El;
+                    if (EM)
+                        em_node_probs(a, s_pin, L, q, pr);
+                    else
+                        node_probs(a, L, q, pr);
+                }
+            }
+            __syncwarp();
+            if (lane == 0) {
+                __threadfence_system(); /* this warp's rows before its count */
+                if (ring_produced(a, 1, L, k, nrw)) {
+                    __threadfence_system();
+                    ring_publish(a, 1, a.red_words, L, k, rows, c);
+                }
+            }
+            __syncwarp();
+        }
+    }
+}
+
 // Block 0, before the rings: what the batch does not need. The ring to node M carries M's
 // slot here; the ring from M the partial sums of this rank's tokens that went to M (the
 // handle's node_pos: their rows there). Also each slot's final count and flag, which the
@@ -700,15 +754,16 @@ __device__ void ring_combine_setup(const hep_kargs &a, unsigned long long c)
 // The owner's side: this rank's own tokens, each the f32 sum of its rows at the node-mates
 // and (N > 1) the other nodes' partial sums, with its probabilities (probs_out); across
 // nodes a token waits for the chunks of its partial sums and frees them once read. The
-// owning warps: all of them on one node, the last COMBINE_THREADS / 32 - RED_WARPS of each
-// block across nodes.
-template <bool EM, bool NODES>
+// owning warps: all of them on one node and across nodes with WHOLE rings (after they
+// reduced), the last COMBINE_THREADS / 32 - RED_WARPS of each block across nodes otherwise.
+template <bool EM, bool NODES, bool WHOLE>
 __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const *s_x,
                                            const float *const *s_pin, unsigned long long c,
                                            int first_grab)
 {
     const int R = a.R, lane = threadIdx.x & 31, S = gridDim.x, b = blockIdx.x;
-    const int wpb = blockDim.x >> 5, warp = threadIdx.x >> 5, skip = NODES ? RED_WARPS : 0;
+    const int wpb = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    const int skip = NODES && !WHOLE ? RED_WARPS : 0;
     const int gw = b * (wpb - skip) + warp - skip, nw = S * (wpb - skip);
     const size_t rb = (size_t)a.H * 2;
     const int mybase = lane < R ? ld_l2(a.meta + a.node * R + lane) : 0;
@@ -777,13 +832,16 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
 }
 
 // NODES: N > 1 (the rings' code is in these instances only, so that it takes no registers
-// from the one-node instances).
-template <bool EM, bool NODES>
+// from the one-node instances); WHOLE: N > 1 with every slot in its ring (P x C >= T).
+template <bool EM, bool NODES, bool WHOLE>
 __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
 {
+    static_assert(NODES || !WHOLE, "WHOLE is an across-nodes instance");
     const int R = a.R, N = a.N, tid = threadIdx.x, S = gridDim.x, b = blockIdx.x;
-    const int lane = tid & 31, warp = tid >> 5;
-    const bool red = NODES && warp < RED_WARPS; /* a reducing warp (across nodes) */
+    const int lane = tid & 31, warp = tid >> 5, wpb = blockDim.x >> 5;
+    /* a reducing warp (across nodes; with WHOLE every warp, then it owns) */
+    const bool red = NODES && (WHOLE || warp < RED_WARPS);
+    const bool owns = !red || WHOLE;
     const unsigned long long e = *a.epoch, c = *a.cepoch + 1;
     __shared__ const char *s_x[HEP_GPU_MAX_LOCAL]; /* see k_dispatch */
     __shared__ const float *s_pin[HEP_GPU_MAX_LOCAL]; /* EM: the node-mates' probs_in */
@@ -794,7 +852,9 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
         s_x[tid] = a.x[tid];
 #ifndef HEP_STATIC_TOKENS
     /* the first grab of own tokens, asked for now: its round trip hides behind the waits */
-    const int first_grab = lane == 0 && !red ? (int)atomicAdd(a.work + HEP_WORK_COMBINE, GRAB) : 0;
+    /* (WHOLE: asked for after the reduction, which holds no register for it) */
+    int first_grab =
+        lane == 0 && owns && !WHOLE ? (int)atomicAdd(a.work + HEP_WORK_COMBINE, GRAB) : 0;
 #else
     const int first_grab = 0;
     (void)lane;
@@ -835,11 +895,17 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
         __shared__ int s_cur[COMBINE_THREADS / 32][HEP_GPU_MAX_NODES]; /* reducers' cursors */
         if (b == 0)
             ring_combine_setup(a, c);
-        if (red && !reduce_rings<EM>(a, s_x, s_pin, b * RED_WARPS + warp, S * RED_WARPS, c,
-                                     s_cur[warp]))
+        if (WHOLE) {
+            reduce_whole<EM>(a, s_x, s_pin, b * wpb + warp, S * wpb, c);
+#ifndef HEP_STATIC_TOKENS
+            first_grab = lane == 0 ? (int)atomicAdd(a.work + HEP_WORK_COMBINE, GRAB) : 0;
+#endif
+        }
+        else if (red && !reduce_rings<EM>(a, s_x, s_pin, b * RED_WARPS + warp, S * RED_WARPS, c,
+                                          s_cur[warp]))
             return;
     }
-    if (!red && !own_tokens<EM, NODES>(a, s_x, s_pin, c, first_grab))
+    if (owns && !own_tokens<EM, NODES, WHOLE>(a, s_x, s_pin, c, first_grab))
         return;
     combine_done(a, c);
     if (EM && !a.em_stage) /* staged: the caller's memory was copied; k_em_stage_in of the
@@ -980,12 +1046,15 @@ extern "C" int hep_launch_em_stage_in(const hep_kargs *a, int blocks, void *stre
 
 extern "C" int hep_launch_combine(const hep_kargs *a, int blocks, void *stream)
 {
+    const bool whole = (long long)a->P * a->C >= a->T; /* every slot fits its ring */
+    void (*k)(hep_kargs);
     if (a->emajor)
-        (a->N > 1 ? k_combine<true, true> : k_combine<true, false>)<<<blocks, COMBINE_THREADS, 0,
-                                                                    (cudaStream_t)stream>>>(*a);
+        k = a->N == 1 ? k_combine<true, false, false>
+                      : whole ? k_combine<true, true, true> : k_combine<true, true, false>;
     else
-        (a->N > 1 ? k_combine<false, true> : k_combine<false, false>)<<<blocks, COMBINE_THREADS,
-                                                                      0, (cudaStream_t)stream>>>(*a);
+        k = a->N == 1 ? k_combine<false, false, false>
+                      : whole ? k_combine<false, true, true> : k_combine<false, true, false>;
+    k<<<blocks, COMBINE_THREADS, 0, (cudaStream_t)stream>>>(*a);
     return (int)cudaGetLastError();
 }
 
@@ -1002,13 +1071,17 @@ extern "C" int hep_launch_copy_out(const hep_kargs *a, int blocks, void *stream)
 extern "C" int hep_preload_combine(void)
 {
     cudaFuncAttributes fa;
-    cudaError_t e = cudaFuncGetAttributes(&fa, (const void *)k_combine<false, false>);
+    cudaError_t e = cudaFuncGetAttributes(&fa, (const void *)k_combine<false, false, false>);
     if (e == cudaSuccess)
-        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<false, true>);
+        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<false, true, false>);
     if (e == cudaSuccess)
-        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<true, false>);
+        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<false, true, true>);
     if (e == cudaSuccess)
-        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<true, true>);
+        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<true, false, false>);
+    if (e == cudaSuccess)
+        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<true, true, false>);
+    if (e == cudaSuccess)
+        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<true, true, true>);
     if (e == cudaSuccess)
         e = cudaFuncGetAttributes(&fa, (const void *)k_copy_in);
     if (e == cudaSuccess)

@@ -262,11 +262,15 @@ static void plan_internode(plan_ctx *x, const hep_config *c, size_t esize, size_
 /* The inter-node slots' ring, on both backends: chunks of C = config.chunk_tokens tokens
  * (HEP_CHUNK_DEFAULT: the backend's default; 0: one chunk of T), HEP_RING_DEPTH of them, or
  * fewer where they cover T. */
-int hep_chunk_default(int backend, int nodes)
+int hep_chunk_default(const hep_config *cfg, int nodes)
 {
     int c;
-    if (backend == HEP_BACKEND_HOST)
+    if (cfg->backend == HEP_BACKEND_HOST)
         return HEP_CHUNK_DEFAULT_HOST;
+    /* the send staging, the receive slots and the partial sums, T BF16 rows a node each */
+    if (nodes > 1 && 3.0 * (nodes - 1) * (double)cfg->max_tokens * 2.0 * (double)cfg->hidden <=
+                         (double)HEP_GPU_WHOLE_SLOT_BYTES)
+        return 0;
     c = nodes > 1 ? HEP_CHUNK_GPU_RING_TOKENS / (nodes - 1) : HEP_CHUNK_DEFAULT_GPU;
     return c < 8 ? 8 : c > HEP_CHUNK_DEFAULT_GPU ? HEP_CHUNK_DEFAULT_GPU : c;
 }
@@ -276,7 +280,7 @@ static void ring_shape(const hep_config *c, hep_plan *p)
     const int T = c->max_tokens;
     const int want = c->chunk_tokens != HEP_CHUNK_DEFAULT
                          ? c->chunk_tokens
-                         : hep_chunk_default((int)c->backend, p->nodes);
+                         : hep_chunk_default(c, p->nodes);
     const int C = want > 0 && want < T ? want : T;
     const int need = (T + C - 1) / C;
     p->chunk = C;

@@ -98,7 +98,7 @@ int hep_plan_make(const hep_config *cfg, int nodes, int ranks_per_node, hep_plan
 
 /* The chunk of config.chunk_tokens = HEP_CHUNK_DEFAULT on `backend` with `nodes` nodes
  * (hybridep.h). */
-int hep_chunk_default(int backend, int nodes);
+int hep_chunk_default(const hep_config *c, int nodes);
 
 const char *hep_arena_name(int arena);
 
