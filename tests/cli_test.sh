@@ -27,9 +27,9 @@ fails_with() { local code=$1 text=$2; shift 2; run "$@"; cat "$T/e"
 SMALL=(--backend host --ranks-per-node 4 --tokens 64 --hidden 256 --experts-per-rank 2 --topk 2)
 
 plan_ep64() { "$H" plan --nodes 8 --ranks-per-node 8 --hidden 7168 --tokens 4096 \
-    --experts-per-rank 4 --topk 8 --dtype bf16 | grep -q "total device memory per rank: 3973578752 bytes"; }
+    --experts-per-rank 4 --topk 8 --dtype bf16 | grep -q "total device memory per rank: 3974299648 bytes"; }
 plan_accepts_opt_equals_value() { "$H" plan --nodes=8 --ranks-per-node=8 --hidden=7168 --tokens=4096 \
-    --experts-per-rank=4 --topk=8 --dtype=bf16 | grep -q "total device memory per rank: 3973578752 bytes"; }
+    --experts-per-rank=4 --topk=8 --dtype=bf16 | grep -q "total device memory per rank: 3974299648 bytes"; }
 # issue 15: the receive capacity uniform top-8 routing of EP64 needs, against numbers worked
 # out here: p = 1 - C(252, 8) / C(256, 8) exactly; the quantile is the normal
 # approximation (checked exactly) and lies within 0.5% of the exact binomial 99.99% quantile
@@ -56,8 +56,8 @@ ok = (abs(a["p"] - p) < 1e-6 and abs(a["mean_rows"] - mean) < 0.1 and 31000 < me
 sys.exit(0 if ok else 1)'; }
 plan_text_prints_capacity_advice() { "$H" plan --nodes 8 --ranks-per-node 8 --hidden 7168 --tokens 4096 \
     --experts-per-rank 4 --topk 8 >"$T/o" && grep -q "mean (W x T x p) .* 31439.9 " "$T/o" &&
-    grep -q "99.99% quantile (normal approximation) .* 32059 .* 460110768 .* 671350784" "$T/o" &&
-    grep -q "worst case (W x T, max_recv_rows = 0) .* 262144 .* 3762290688 .* 3973578752" "$T/o"; }
+    grep -q "99.99% quantile (normal approximation) .* 32059 .* 460110768 .* 672071680" "$T/o" &&
+    grep -q "worst case (W x T, max_recv_rows = 0) .* 262144 .* 3762290688 .* 3974299648" "$T/o"; }
 # every token reaches the rank when E - E_l < K (p = 1: no spread)
 plan_capacity_advice_all_tokens() { "$H" plan --nodes 1 --ranks-per-node 2 --experts-per-rank 4 --topk 5 \
     --tokens 100 --json | python3 -c 'import json,sys; a=json.load(sys.stdin)["capacity_advice"]; sys.exit(0 if a["p"]==1 and a["quantile_rows"]==200 and a["twice_mean_rows"]==200 else 1)'; }
@@ -68,10 +68,10 @@ import json, sys
 d = json.load(sys.stdin)
 b = {x["name"]: x for x in d["buffers"]}
 sys.exit(0 if d["max_recv_rows"] == 62880 and b["exchange.token"]["count"] == 62880 * 7168
-         and b["dispatch.recv_prob"]["count"] == 62880 * 4 and d["device_bytes"] < 3973578752 - 2 * 10**9
-         and d["capacity_advice"]["device_bytes_worst_case"] == 3973578752 else 1)' &&
+         and b["dispatch.recv_prob"]["count"] == 62880 * 4 and d["device_bytes"] < 3974299648 - 2 * 10**9
+         and d["capacity_advice"]["device_bytes_worst_case"] == 3974299648 else 1)' &&
     "$H" plan --nodes 8 --ranks-per-node 8 --hidden 7168 --tokens 4096 --experts-per-rank 4 --topk 8 \
-    --max-recv-rows 62880 | grep -q "with the worst case instead (max_recv_rows = 0): 3973578752 bytes"; }
+    --max-recv-rows 62880 | grep -q "with the worst case instead (max_recv_rows = 0): 3974299648 bytes"; }
 # issues 13/14: --max-permuted-rows plans the expert-major staging (GPU plan only)
 plan_max_permuted_rows_plans_the_staging() { "$H" plan --nodes 1 --ranks-per-node 8 --hidden 1024 --tokens 64 \
     --experts-per-rank 4 --topk 4 --dtype fp8 --max-permuted-rows 3000 --json | python3 -c '

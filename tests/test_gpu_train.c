@@ -1409,7 +1409,7 @@ static void nodes_em_case(int N, int R, int fp8, int idx64, int pad, int over, i
                  seed);
     c->R = R;
     c->cfg.ranks_per_node = R;
-    if (chunk > 0) /* a ring that holds the slot whole (2 x chunk >= T): group/ep.c */
+    if (chunk > 0) /* rings of 2 chunks of `chunk` tokens (else the default) */
         c->cfg.chunk_tokens = chunk;
     c->idx64 = idx64;
     c->noprobs = !probs;
@@ -1504,6 +1504,19 @@ static const nodes_spec nodes_specs[] = {
     {"nodes_2x4_no_sync_drop_on_one_node_only_rings_of_chunks_of_3_fp8", 2, 4, 1, 0, 0, 0, 0, 0,
      0, 68u, "2 x 4 nodes, no-sync capacity overflow on node 1 only, rings of 2 x 3 tokens, fp8",
      2, 1, 3},
+    /* the expert-major layout with rings smaller than a slot: each chunk placed as it lands
+     * from the places its sender shipped, the budget's clip, the capacity sequence */
+    {"nodes_2x4_expert_major_rings_of_chunks_of_3_pad_16_probs_bf16", 2, 4, 0, 0, 1, 0, 16, 0, 1,
+     69u, "2 x 4 nodes, expert-major, rings of 2 x 3 tokens, pad 16, probabilities, bf16", 0, 0,
+     3},
+    {"nodes_2x2_expert_major_rings_of_chunks_of_1_pad_128_fp8_int64", 2, 2, 1, 1, 1, 0, 128, 0, 1,
+     70u, "2 x 2 nodes, expert-major, rings of 2 x 1 tokens, pad 128, fp8, int64", 0, 0, 1},
+    {"nodes_4x2_expert_major_budget_overflow_rings_of_chunks_of_5_pad_16_fp8", 4, 2, 1, 0, 1, 0, 16,
+     1, 0, 71u, "4 x 2 nodes, expert-major, budget overflow, rings of 2 x 5 tokens, pad 16, fp8",
+     0, 0, 5},
+    {"nodes_2x4_expert_major_capacity_met_then_one_short_rings_of_chunks_of_3_pad_16_bf16", 2, 4,
+     0, 0, 1, 0, 16, 0, 0, 72u,
+     "2 x 4 nodes, expert-major, capacity, rings of 2 x 3 tokens, pad 16, bf16", 1, 0, 3},
 };
 #define N_NODES_SPECS ((int)(sizeof(nodes_specs) / sizeof(nodes_specs[0])))
 

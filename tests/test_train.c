@@ -796,42 +796,32 @@ static void gpu_kernels_across_nodes_refuse_each_missing_option_by_name(void **s
 {
     const char *want;
     (void)s;
-    assert_int_equal(hep_ep_gpu_nodes_check(1, HEP_LAYOUT_EXPERT_MAJOR, 1, 1, 0, 64, 64, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 0, 0, 0, 64, 64, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 1, 0, 0, 64, 64, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 1, 1, 0, 64, 64, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(4, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, 0, 64, 64, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 0, 1, 0, 64, 64, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(4, HEP_LAYOUT_EXPERT_MAJOR, 1, 0, 0, 64, 64, "hep_dispatch_ex"),
+    assert_int_equal(hep_ep_gpu_nodes_check(1, HEP_LAYOUT_EXPERT_MAJOR, 1, 1, 0, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 0, 0, 0, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 1, 0, 0, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 1, 1, 0, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(4, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, 0, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 0, 1, 0, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(4, HEP_LAYOUT_EXPERT_MAJOR, 1, 0, 0, "hep_dispatch_ex"),
                      HEP_ERR_UNAVAILABLE);
     want = "hep_dispatch_ex: the GPU kernels have the expert-major layout across 4 nodes with "
            "each node's ranks in one process only";
     assert_non_null(strstr(hep_last_error(), want));
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 1, 1, 0, 64, 64, "hep_combine_ex"),
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 1, 1, 0, "hep_combine_ex"),
                      HEP_ERR_UNAVAILABLE);
     assert_non_null(strstr(hep_last_error(), "hep_combine_ex: the GPU kernels have the "
                                              "expert-major layout across 2 nodes"));
     /* a receive capacity: rank-major in both modes, on any number of nodes; expert-major
      * across nodes blocking only (HEP_ASYNC: the nodes could not decide it alike) */
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 0, 0, 40, 64, 64, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(128, HEP_LAYOUT_RANK_MAJOR, 0, 1, 40, 64, 64, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(1, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, 40, 64, 64, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, 0, 64, 64, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, 40, 64, 64, "hep_dispatch_ex"),
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 0, 0, 40, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(128, HEP_LAYOUT_RANK_MAJOR, 0, 1, 40, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(1, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, 40, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, 0, "x"), HEP_OK);
+    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, 40, "hep_dispatch_ex"),
                      HEP_ERR_UNAVAILABLE);
     assert_non_null(strstr(hep_last_error(), "hep_dispatch_ex: with HEP_ASYNC and "
                                              "config.max_recv_rows = 40, the GPU kernels across 2 "
                                              "nodes have no expert-major layout"));
-    /* a ring of chunks that holds only part of a slot: expert-major refused, naming the
-     * option; a ring that holds it whole (or one chunk of T) is taken */
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, 0, 32, 64,
-                                            "hep_dispatch_ex"),
-                     HEP_ERR_UNAVAILABLE);
-    assert_non_null(strstr(hep_last_error(), "gives rings of 32 rows < max_tokens = 64: create the "
-                                             "group with chunk_tokens = 0 or >= 32"));
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_RANK_MAJOR, 0, 1, 0, 2, 64, "x"), HEP_OK);
-    assert_int_equal(hep_ep_gpu_nodes_check(2, HEP_LAYOUT_EXPERT_MAJOR, 0, 0, 0, 66, 64, "x"),
-                     HEP_OK);
 }
 
 /* The GPU backend (one node) takes a caller handle (here with no tokens) and combines

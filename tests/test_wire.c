@@ -146,13 +146,13 @@ static int check_common(const wire_fixture *f, int phase, int n)
 /* The ring chunks of a batch: each data chunk k to node m from position k % P of the
  * local slot j(m) to the same position of the peer's slot s, wanted and skipped at chunk
  * k's values; each flag after its data. */
-static void check_ring(const wire_fixture *f, int phase, int n, uint64_t e, int kout)
+static void check_ring(const wire_fixture *f, int phase, int n, uint64_t e, int kout, int em)
 {
     const hep_backend_ctx *g = &f->g;
     const size_t ST = f->plan.slot_tokens, C = (size_t)f->plan.chunk, P = (size_t)f->plan.ring;
     const size_t N = (size_t)g->N;
     const size_t cb = HEP_COUNT_BLOCK_WORDS((size_t)g->R, (size_t)f->cfg.experts_per_rank);
-    int k = 0, mprev = -1, data = 0, flags = 0;
+    int k = 0, mprev = -1, data = 0, flags = 0, places = 0;
     for (int i = 0; i < n; i++) {
         const hep_proxy_chunk *c = &f->ch[i];
         const int m = c->peer / g->R;
@@ -176,14 +176,19 @@ static void check_ring(const wire_fixture *f, int phase, int n, uint64_t e, int 
                 /* rows: slot j's position p here, slot s's position p there */
                 assert_int_equal(lo, (j * ST + p * C) * c->unit);
                 assert_int_equal(ro, (s * ST + p * C) * c->unit);
-            } else { /* the routing: [ST][kmax] ids, [ST][kmax] weights, [ST][R] offsets */
-                const size_t rs = ST * HEP_GPU_ROUTE_WORDS((size_t)f->cfg.max_topk,
-                                                           (size_t)g->R) * 4;
+            } else { /* the routing: [ST][kmax] ids, [ST][kmax] weights, [ST][R] offsets,
+                      * [ST][kmax] expert-major places; position p of each */
+                const size_t K = (size_t)f->cfg.max_topk, R = (size_t)g->R;
+                const size_t rs = ST * HEP_GPU_ROUTE_WORDS(K, R) * 4, o = lo % rs;
                 assert_int_equal(lb, HEP_BUF_D_ATTN_PROB);
                 assert_int_equal(lo / rs, j);
                 assert_int_equal(ro / rs, s);
-                assert_int_equal(lo % rs, ro % rs);
-                assert_int_equal(lo % rs % (C * c->unit), 0);
+                assert_int_equal(o, ro % rs);
+                if (o == (2 * ST * K + ST * R + p * C * K) * 4 && c->unit == K * 4)
+                    places++;
+                else
+                    assert_true(o == p * C * K * 4 || o == (ST + p * C) * K * 4 ||
+                                o == (2 * ST * K + p * C * R) * 4);
             }
             data++;
         } else if (c->flag && c->want) { /* chunk k's flag: flag source (m, p) -> landed s */
@@ -203,6 +208,7 @@ static void check_ring(const wire_fixture *f, int phase, int n, uint64_t e, int 
         }
     }
     assert_int_equal(flags, (int)(N - 1) * kout);
+    assert_int_equal(places, em ? (int)(N - 1) * kout : 0); /* one a chunk, expert-major */
     (void)data;
 }
 
@@ -246,14 +252,20 @@ static int chunks(int t, int C)
 }
 
 /* Dispatch: per other node the count, the count block (with its flag), ceil(t / C) ring
- * chunks of rows, ids, weights, offsets (and FP8 scales) each with its flag, the final
- * count and flag; then per other node ceil(T / C) - P credits. */
+ * chunks of rows, ids, weights, offsets (the expert-major layout: and places; FP8: and
+ * scales) each with its flag, the final count and flag; then per other node
+ * ceil(T / C) - P credits. */
 static void wire_dispatch_batch_holds_the_kernels_ring_chunks_and_credits(void **state)
 {
-    static const struct { int N, R, node, local, T, chunk, t; hep_dtype dt; } cases[] = {
-        {3, 2, 1, 1, 100, 32, 70, HEP_DTYPE_BF16}, {3, 2, 0, 0, 100, 32, 100, HEP_DTYPE_FP8_E4M3},
-        {2, 4, 1, 3, 100, 32, 0, HEP_DTYPE_BF16},  {4, 1, 2, 0, 64, 1, 64, HEP_DTYPE_BF16},
-        {2, 2, 0, 1, 100, 0, 37, HEP_DTYPE_FP8_E4M3}, {5, 2, 4, 0, 96, 48, 96, HEP_DTYPE_BF16}};
+    static const struct { int N, R, node, local, T, chunk, t, em; hep_dtype dt; } cases[] = {
+        {3, 2, 1, 1, 100, 32, 70, 0, HEP_DTYPE_BF16},
+        {3, 2, 0, 0, 100, 32, 100, 1, HEP_DTYPE_FP8_E4M3},
+        {2, 4, 1, 3, 100, 32, 0, 0, HEP_DTYPE_BF16},
+        {4, 1, 2, 0, 64, 1, 64, 1, HEP_DTYPE_BF16},
+        {4, 1, 2, 0, 64, 1, 64, 0, HEP_DTYPE_BF16},
+        {2, 2, 0, 1, 100, 0, 37, 0, HEP_DTYPE_FP8_E4M3},
+        {2, 4, 1, 2, 100, 3, 100, 1, HEP_DTYPE_BF16},
+        {5, 2, 4, 0, 96, 48, 96, 0, HEP_DTYPE_BF16}};
     (void)state;
     for (size_t q = 0; q < sizeof(cases) / sizeof(cases[0]); q++) {
         static wire_fixture f;
@@ -262,15 +274,16 @@ static void wire_dispatch_batch_holds_the_kernels_ring_chunks_and_credits(void *
                    cases[q].chunk, cases[q].dt);
         const int C = f.plan.chunk, P = f.plan.ring, fp8 = cases[q].dt == HEP_DTYPE_FP8_E4M3;
         const int kout = chunks(cases[q].t, C), kin = chunks(cases[q].T, C);
-        const int n = hep_wire_gpu_batch(&f.g, 0, e, cases[q].t, 0, f.ch);
+        const int em = cases[q].em;
+        const int n = hep_wire_gpu_batch(&f.g, 0, e, cases[q].t, em, f.ch);
         assert_true((size_t)n <= hep_wire_gpu_batch_max(&f.g));
-        assert_int_equal(n, (cases[q].N - 1) * (3 + kout * (5 + fp8) + kin - P));
+        assert_int_equal(n, (cases[q].N - 1) * (3 + kout * (5 + fp8 + em) + kin - P));
         assert_int_equal(check_common(&f, 0, n), (cases[q].N - 1) * (kin - P));
-        check_ring(&f, 0, n, e, kout);
+        check_ring(&f, 0, n, e, kout, em);
         check_credits(&f, 0, n, e, kin - P);
         f.g.hold_credits = 1; /* the test hook: a receiver that returns no credit */
-        assert_int_equal(hep_wire_gpu_batch(&f.g, 0, e, cases[q].t, 0, f.ch),
-                         (cases[q].N - 1) * (3 + kout * (5 + fp8)));
+        assert_int_equal(hep_wire_gpu_batch(&f.g, 0, e, cases[q].t, em, f.ch),
+                         (cases[q].N - 1) * (3 + kout * (5 + fp8 + em)));
         wire_teardown(&f);
     }
 }
@@ -296,7 +309,7 @@ static void wire_combine_batch_holds_the_kernels_ring_chunks_and_credits(void **
         assert_int_equal(n, (cases[q].N - 1) * (2 + kin * (2 + cases[q].probs) +
                                                 (kc > 0 ? kc : 0)));
         assert_int_equal(check_common(&f, 1, n), (cases[q].N - 1) * (kc > 0 ? kc : 0));
-        check_ring(&f, 1, n, c, kin);
+        check_ring(&f, 1, n, c, kin, 0);
         check_credits(&f, 1, n, c, kc > 0 ? kc : 0);
         wire_teardown(&f);
     }

@@ -88,9 +88,7 @@ typedef struct hep_config {
                              of nodes. GPU, 512 up to 8 nodes: a chunk costs the CPU proxy a round trip of
                              its credit, so chunks are larger there; EP64 (8 x 8, T = 4096,
                              H = 7168, E_l = 4, K = 8, BF16) plans 3.97 GB per rank with it,
-                             4.60 GB with 0.
-                             The GPU kernels take the expert-major layout across nodes only
-                             where the ring holds the whole slot (2 x C >= T, or C = 0).
+                             4.60 GB with 0. Both layouts take rings of any C.
                              `hybridep plan --chunk` shows the memory either way. */
     hep_backend backend;  /* GPU kernels (default) or the host backend (host memory, threads;
                              the reference semantics, and the CPU-only path). */

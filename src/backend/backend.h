@@ -203,8 +203,9 @@ struct hep_proxy_chunk hep_wire_count_then_flag(const hep_backend_ctx *g, int pe
  * it holds >= want) to word rword of the peer's rid, after every earlier chunk to the peer. */
 struct hep_proxy_chunk hep_wire_flag(const hep_backend_ctx *g, int peer, int lid, size_t lword,
                                      int rid, size_t rword, uint64_t want);
-/* The GPU path's batch for phase 0 (dispatch) or 1 (combine; probs: with each slot token's
- * row of probabilities), call value e (dispatch: its e; combine: its count c), t own tokens;
+/* The GPU path's batch for phase 0 (dispatch; probs: the expert-major layout, with each
+ * slot token's places) or 1 (combine; probs: with each slot token's row of
+ * probabilities), call value e (dispatch: its e; combine: its count c), t own tokens;
  * `ch` holds hep_wire_gpu_batch_max(g). Returns the number of chunks. */
 size_t hep_wire_gpu_batch_max(const hep_backend_ctx *g);
 int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, uint64_t e, int t, int probs,

@@ -127,9 +127,9 @@ static int chunks_for(const hep_backend_ctx *g, int tokens)
 size_t hep_wire_gpu_batch_max(const hep_backend_ctx *g)
 {
     /* per other node: count word, count block, final count and flag, arrival; per chunk up to
-     * 5 data chunks and a flag; per credit one */
+     * 6 data chunks and a flag; per credit one */
     const size_t k = (size_t)chunks_for(g, g->cfg->max_tokens);
-    return (size_t)(g->N - 1) * (4 + 7 * k);
+    return (size_t)(g->N - 1) * (4 + 8 * k);
 }
 
 int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, uint64_t e, int t, int probs,
@@ -142,7 +142,8 @@ int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, uint64_t e, int t, i
     const size_t rb = H * (fp8 ? 1 : 2), rw = (size_t)kmax * 4;
     const size_t sb = H / HEP_FP8_BLOCK * 4, rb2 = H * 2;
     const size_t pb = (size_t)g->R * (size_t)g->cfg->experts_per_rank * 4; /* a prob row */
-    /* a slot's routing (ep_kernels.h): [ST][kmax] ids, [ST][kmax] weights, [ST][R] offsets */
+    /* a slot's routing (ep_kernels.h): [ST][kmax] ids, [ST][kmax] weights, [ST][R] offsets,
+     * [ST][kmax] expert-major places */
     const size_t rs = ST * (size_t)HEP_GPU_ROUTE_WORDS(kmax, g->R) * 4, ro = (size_t)g->R * 4;
     const uint64_t *px0 = (const uint64_t *)(g->arena[HEP_ARENA_MAPPED] +
                                              g->plan->buf[HEP_BUF_PROXY].offset);
@@ -181,6 +182,11 @@ int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, uint64_t e, int t, i
                 ch[n++] = ring_data(g, peer, HEP_BUF_D_ATTN_PROB, j * rs + 2 * ST * rw + p * C * ro,
                                     HEP_BUF_D_GROUP_PROB, s * rs + 2 * ST * rw + p * C * ro, ro,
                                     px, k, e);
+                if (probs) /* expert-major: the places */
+                    ch[n++] = ring_data(g, peer, HEP_BUF_D_ATTN_PROB,
+                                        j * rs + 2 * ST * rw + ST * ro + p * C * rw,
+                                        HEP_BUF_D_GROUP_PROB,
+                                        s * rs + 2 * ST * rw + ST * ro + p * C * rw, rw, px, k, e);
                 if (fp8)
                     ch[n++] = ring_data(g, peer, HEP_BUF_D_ATTN_SCALE, lr * sb,
                                         HEP_BUF_D_GROUP_SCALE, rr * sb, sb, px, k, e);

@@ -95,7 +95,6 @@ void hep_ep_teardown(hep_group *g)
 }
 
 int hep_ep_gpu_nodes_check(int N, int layout, int procs, int probs, int async_cap,
-                           size_t ring_rows, int T,
                            const char *call)
 {
     (void)probs; /* probabilities through combine: both layouts, every node count */
@@ -111,15 +110,6 @@ int hep_ep_gpu_nodes_check(int N, int layout, int procs, int probs, int async_ca
                         "dispatch without HEP_ASYNC, or use the rank-major layout (which drops "
                         "rows past the capacity)",
                         call, async_cap, N);
-    /* its positions come from a prefix over each whole slot (kernels/expert_major.cuh),
-     * which a ring that holds only part of it no longer has in place */
-    if (ring_rows < (size_t)T)
-        return hep_fail(HEP_ERR_UNAVAILABLE,
-                        "%s: the GPU kernels have the expert-major layout across %d nodes only "
-                        "where each inter-node ring holds a whole slot, but config.chunk_tokens "
-                        "gives rings of %zu rows < max_tokens = %d: create the group with "
-                        "chunk_tokens = 0 or >= %d, or use the rank-major layout",
-                        call, N, ring_rows, T, (T + HEP_RING_DEPTH - 1) / HEP_RING_DEPTH);
     if (procs)
         return hep_fail(HEP_ERR_UNAVAILABLE,
                         "%s: the GPU kernels have the expert-major layout across %d nodes with "
@@ -258,7 +248,7 @@ static int check_dispatch_opts(hep_group *g, const hep_dispatch_args *a, const h
     if (g->cfg.backend == HEP_BACKEND_GPU &&
         (rc = hep_ep_gpu_nodes_check(g->N, layout, !g->mates_one_process, 0,
                                      (a->flags & HEP_ASYNC) ? g->cfg.max_recv_rows : 0,
-                                     g->plan.slot_tokens, g->cfg.max_tokens, "hep_dispatch_ex")))
+                                     "hep_dispatch_ex")))
         return rc;
     if (g->cfg.backend == HEP_BACKEND_GPU && layout == HEP_LAYOUT_EXPERT_MAJOR && !x->handle)
         return hep_fail(HEP_ERR_UNAVAILABLE,
@@ -375,8 +365,7 @@ int hep_combine_ex(hep_group *g, const hep_combine_args *a, const hep_combine_op
         return rc;
     if (g->cfg.backend == HEP_BACKEND_GPU &&
         (rc = hep_ep_gpu_nodes_check(g->N, h->layout, !g->mates_one_process,
-                                     c->probs_in != NULL, 0, g->plan.slot_tokens,
-                                     g->cfg.max_tokens, "hep_combine_ex")))
+                                     c->probs_in != NULL, 0, "hep_combine_ex")))
         return rc;
     if (c->probs_out && h->t > 0 && (rc = check_ptr(c->probs_out, 4, "hep_combine_ex: probs_out")))
         return rc;

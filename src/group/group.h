@@ -52,12 +52,10 @@ void hep_ep_fill_stats(const hep_group *g, hep_group_stats *s);
  * probabilities come back through combine (taken with both layouts), and async_cap: the
  * receive capacity (config.max_recv_rows) of a HEP_ASYNC dispatch, or 0 (the rank-major
  * layout drops rows past it; the expert-major one is refused). Caller handles are taken with
- * every layout; the expert-major layout only where the inter-node ring holds a whole slot
- * (ring_rows = plan.slot_tokens >= T). 0 (also for N = 1), or HEP_ERR_UNAVAILABLE naming
+ * every layout, and rings of any size. 0 (also for N = 1), or HEP_ERR_UNAVAILABLE naming
  * the option.
  * Needs no GPU (tests/test_train.c). */
 int hep_ep_gpu_nodes_check(int N, int layout, int procs, int probs, int async_cap,
-                           size_t ring_rows, int T,
                            const char *call);
 /* group/handle.c */
 struct hep_handle *hep_handle_alloc(const hep_group *g);

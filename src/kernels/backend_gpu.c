@@ -138,6 +138,8 @@ static int gpu_setup(hep_backend_ctx *g)
         k->md_blocks = k->pack_off + (size_t)g->cfg->max_tokens * (size_t)g->world;
         k->slot_list = k->md_blocks + 132 * (size_t)g->world;
         k->ring_ctr = k->slot_list + (size_t)g->cfg->max_tokens * (size_t)g->N;
+        k->em_place = k->ring_ctr + HEP_RING_CTR_WORDS((size_t)g->N);
+        k->em_pblocks = k->em_place + (size_t)g->cfg->max_tokens * (size_t)g->cfg->max_topk;
         k->ST = (int)g->plan->slot_tokens;
         k->C = g->plan->chunk;
         k->P = g->plan->ring;
@@ -651,7 +653,7 @@ static int gpu_dispatch(hep_backend_ctx *g, const hep_dispatch_args *a, hep_disp
     if (g->N > 1) {
         if ((rc = settle_same_kind(g, 1, a->stream, "hep_dispatch")))
             return rc;
-        rc = start_network(g, 0, g->cfg->dispatch_sms, a->stream, g->epoch + 1, 0);
+        rc = start_network(g, 0, g->cfg->dispatch_sms, a->stream, g->epoch + 1, em);
         if (rc)
             return rc;
         rc = hep_launch_node_pack(k, g->cfg->dispatch_sms, a->stream);

@@ -304,6 +304,9 @@ __device__ void pack_chunk(const hep_kargs &a, int m, int k, int rows)
         }
         if (lane < R)
             route[2 * ST * a.kmax + row * R + lane] = a.pack_off[((size_t)i * N + m) * R + lane];
+        if (a.emajor && lane < a.kmax) /* the places of the pack (node_pack.cu) */
+            route[(2 * a.kmax + R) * ST + row * a.kmax + lane] =
+                a.em_place[(size_t)i * a.kmax + lane];
         for (int c = lane; c < a.nscale; c += 32)
             a.send_scale[(j * ST + row) * a.nscale + c] = a.scales[(size_t)i * a.nscale + c];
     }
@@ -352,12 +355,17 @@ __device__ __forceinline__ lview ring_view(const hep_kargs &a, int s, int p, int
     v.ids = route + (size_t)p * a.C * a.kmax;
     v.w = (const float *)(route + ST * a.kmax) + (size_t)p * a.C * a.kmax;
     v.off = route + 2 * ST * a.kmax + (size_t)p * a.C * a.R;
+    v.place = route + (2 * a.kmax + a.R) * ST + (size_t)p * a.C * a.kmax;
     return v;
 }
 
+#include "kernels/expert_major.cuh"
+
 // Chunk k of the ring from node L (its slot s here, cnt tokens, n chunks): once it landed,
 // every block forwards its share to the node-mates (nothing when the layout exceeded the
-// receive capacity: the chunk is still consumed), and the last block frees it.
+// receive capacity: the chunk is still consumed; EM: its rows are still placed for the
+// handle), and the last block frees it.
+template <bool EM>
 __device__ bool forward_chunk(const hep_kargs &a, int L, int k, int n, int cnt, bool over,
                               unsigned long long e, char *const *s_x, float *const *s_prob,
                               float *const *s_scale, int *drop_cnt)
@@ -371,7 +379,15 @@ __device__ bool forward_chunk(const hep_kargs &a, int L, int k, int n, int cnt, 
     if (!block_all(ok))
         return false;
     const int rows = min(a.C, cnt - k * a.C);
-    if (!over) {
+    if (EM) {
+        const lview v = ring_view(a, s, k % a.P, rows);
+        int r0, r1, w0, w1;
+        block_range(rows, blockIdx.x, gridDim.x, r0, r1);
+        warp_range(r0, r1, threadIdx.x >> 5, blockDim.x >> 5, w0, w1);
+        for (int r = w0; r < w1; r++)
+            em_forward_token(a, v, L, k * a.C + r, r, s_x, s_prob, s_scale, !over);
+        bulk_wait_all();
+    } else if (!over) {
         const lview v = ring_view(a, s, k % a.P, rows);
         const int mybase = lane < a.R ? ld_l2(a.meta + L * a.R + lane) : 0;
         int r0, r1, w0, w1;
@@ -412,9 +428,8 @@ __device__ bool ring_counts(const hep_kargs &a, unsigned long long e, int *cin, 
     return true;
 }
 
-// Dispatch across nodes (own: rank-major, else only the sends of the expert-major layout,
-// whose rings hold their slots whole): the rings' chunks 0..P-1 go out first (no credit), then
-// the own tokens, then step k = 0, 1, ...: send chunk k + P - 1 of every ring sent (k >= 1;
+// Dispatch across nodes (EM: the expert-major layout): the rings' chunks 0..P-1 go out first
+// (no credit), then the own tokens, then step k = 0, 1, ...: send chunk k + P - 1 of every ring sent (k >= 1;
 // its credit is chunk k - 1's at the receiver, freed a step earlier, so its round trip
 // hides behind that step), then forward chunk k of every ring received.
 // Deadlock freedom (all ranks' kernels co-resident, as the node's flags already require):
@@ -423,8 +438,9 @@ __device__ bool ring_counts(const hep_kargs &a, unsigned long long e, int *cin, 
 // then chunk k of every ring has been sent (first, or at step k - P + 1 <= k), so it lands
 // and every block forwards it, waiting for nothing else. No block ever waits for a credit
 // that only its own rank's later step would give.
-__device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool over, bool own,
-                              char *const *s_x, float *const *s_prob, float *const *s_scale,
+template <bool EM>
+__device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool over,
+                              const layout_smem &s, char **s_x, float **s_prob, float **s_scale,
                               int *drop_base)
 {
     __shared__ int cin[HEP_GPU_MAX_NODES], cout[HEP_GPU_MAX_NODES];
@@ -438,9 +454,9 @@ __device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool ove
         for (int m = 0; m < N; m++)
             if (m != a.node && !send_chunk(a, m, k, ring_chunks(cout[m], C), cout[m], e))
                 return false;
-    if (!own) /* expert-major: the ring holds the whole slot, read once its flag came */
-        return true;
-    if (!over)
+    if (EM && !over) /* also the node-mates' outputs into s_x, s_prob, s_scale */
+        em_push<RING_DU>(a, s, s_x, s_prob, s_scale);
+    else if (!over)
         push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale,
                   drop_at(a, drop_base, a.node));
     for (int k = 0; k < steps; k++) {
@@ -448,14 +464,12 @@ __device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool ove
             if (m != a.node && !send_chunk(a, m, k + P - 1, ring_chunks(cout[m], C), cout[m], e))
                 return false;
         for (int L = 0; L < N; L++)
-            if (L != a.node && !forward_chunk(a, L, k, ring_chunks(cin[L], C), cin[L], over, e,
+            if (L != a.node && !forward_chunk<EM>(a, L, k, ring_chunks(cin[L], C), cin[L], over, e,
                                               s_x, s_prob, s_scale, drop_at(a, drop_base, L)))
                 return false;
     }
     return true;
 }
-
-#include "kernels/expert_major.cuh"
 
 // EM: the expert-major layout (kernels/expert_major.cuh); the rank-major kernel is the
 // EM = false instance, its loops untouched. NODES: N > 1 (the rings' code is in these
@@ -547,19 +561,11 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     // (across nodes: when a rank of this node needs more rows, summed over all N lists;
     // every slot is still waited for and consumed, so that every sender finishes)
     const bool over = a.cap && ld_l2(a.over);
-    if (EM) { /* then the slots */
-        if (NODES) { /* the ring holds each whole slot (group/ep.c): no credits, no steps */
-            if (!ring_dispatch(a, e, over, false, s_x, s_prob, s_scale, NULL))
-                return;
-        }
-        if (!over)
+    if (EM) { /* across nodes the rings as in rank-major, each chunk placed as it lands */
+        if (!NODES && !over)
             em_push(a, s, s_x, s_prob, s_scale);
-        if (NODES) {
-            if (!wait_slots(a, a.slot_words + N, e, HEP_STAGE_NODE_DISPATCH))
-                return;
-            if (!em_push_slots(a, e, s, s_x, s_prob, s_scale, !over))
-                return;
-        }
+        if (NODES && !ring_dispatch<true>(a, e, over, s, s_x, s_prob, s_scale, NULL))
+            return;
         arrive_all(a, e);
         return;
     }
@@ -569,7 +575,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
         push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, drop_base); /* list 0 */
     // across nodes each slot token's positions are its sender's offsets (no scan here), so
     // any block forwards any chunk as it lands
-    if (NODES && !ring_dispatch(a, e, over, true, s_x, s_prob, s_scale, drop_base))
+    if (NODES && !ring_dispatch<false>(a, e, over, s, s_x, s_prob, s_scale, drop_base))
         return;
     arrive_all(a, e);
     if (b == 0)

@@ -102,10 +102,13 @@
 #define HEP_EM_WORDS 8
 
 #define HEP_COUNT_BLOCK_WORDS(R, El) (((R) * ((El) + 1) + 1) / 2)
-/* The GPU path's routing of one slot token (i32 words): kmax ids, kmax weights, and its
+/* The GPU path's routing of one slot token (i32 words): kmax ids, kmax weights, its
  * offset among the sender's tokens for each local rank of the receiving node (-1: none),
- * stored per slot as three blocks [ST][kmax] ids, [ST][kmax] weights, [ST][R] offsets. */
-#define HEP_GPU_ROUTE_WORDS(K, R) (2 * (K) + (R))
+ * and (expert-major calls) for each of its slots its place among the sender's tokens on
+ * that expert (-1: not the token's first slot on an expert of the receiving node), stored
+ * per slot as four blocks [ST][kmax] ids, [ST][kmax] weights, [ST][R] offsets,
+ * [ST][kmax] places. */
+#define HEP_GPU_ROUTE_WORDS(K, R) (3 * (K) + (R))
 
 /* The inter-node receive slots as a ring of chunks (both backends). A slot holds P =
  * HEP_RING_DEPTH chunk positions of C tokens
@@ -246,6 +249,10 @@ typedef struct hep_kargs {
                                         tokens for (node m, local rank d), or -1 (pack) */
     int *md_blocks;                  /* [S][N][R]: own tokens per (node, local rank) of each
                                         pack block */
+    int *em_place;                   /* [T][kmax]: expert-major calls, an own token's place
+                                        among this rank's tokens on the expert of its slot k
+                                        on another node, or -1 (pack) */
+    int *em_pblocks;                 /* [N][S][R El]: the pack blocks' own tokens per expert */
     char *send_token;                /* dispatch.attn_input_token [N-1][ST] rows */
     int *send_route;                 /* dispatch.attn_input_prob [N-1][ST]: per slot the kmax
                                         ids of its tokens [ST][kmax], their weights [ST][kmax]

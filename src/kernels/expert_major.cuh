@@ -27,13 +27,15 @@
 //
 // Across nodes (N > 1) the rank forwards N lists (lists.cuh: its own tokens, then each other
 // node's slot), and the sources of a destination's rows are (list, local rank) in that
-// order: the host's [source node][source local rank][token]. Each list has its own epos,
-// ebase and ebc in the handle (em_epos, em_ebase, em_ebc); block 0 derives every list's
-// ebase from the counts layout_publish gathered per (list, source); the own list goes as
-// on one node, while the slots travel; once they arrived (em_push_slots) each block places
-// its pairs of every slot, saves its counts, and after one more grid barrier makes them
-// rows and pushes them. A slot's pair also keeps its key d El + e (ekey), which combine
-// needs (the slot's routing is gone by then).
+// order: the host's [source node][source local rank][token]. Each list has its own epos
+// and ebase in the handle (em_epos, em_ebase); block 0 derives every list's ebase from the
+// counts layout_publish gathered per (list, source); the own list goes as on one node,
+// while the slots travel. The last term of a slot token's row is its place among its
+// sender's tokens on that expert, which the sender's pack kernel computed and shipped
+// with the token (node_pack.cu, em_place): so each ring chunk is placed and forwarded as
+// it lands (em_forward_token, from dispatch.cu's ring loop), rings smaller than a slot
+// included. A slot's pair also keeps its key d El + e (ekey), which combine needs (the
+// slot's routing is gone by then).
 #ifndef HEP_KERNELS_EXPERT_MAJOR_CUH
 #define HEP_KERNELS_EXPERT_MAJOR_CUH
 
@@ -267,20 +269,21 @@ __device__ void em_zero_padding(const hep_kargs &a)
     }
 }
 
-// One warp pushes token i of list L (v): a row, its probability (the token's weights on
-// that expert, summed in slot order) and its scales for every first slot on an expert of
-// this node.
-__device__ __forceinline__ void em_push_token(const hep_kargs &a, const lview &v, int L, int i,
-                                              char *const *s_x, float *const *s_prob,
-                                              float *const *s_scale)
+// One warp pushes token i of view v: a row, its probability (the token's weights on that
+// expert, summed in slot order) and its scales for every slot k whose lane holds its row
+// (the token's first slot on an expert of this node, below the budget; else -1). U: the
+// vectors a lane loads before it stores (push_row).
+template <int U = DU>
+__device__ __forceinline__ void em_push_rows(const hep_kargs &a, const lview &v, int i, int row,
+                                             char *const *s_x, float *const *s_prob,
+                                             float *const *s_scale)
 {
     const int El = a.El, K = v.K, lane = threadIdx.x & 31;
     const long long first = (long long)a.rank0 * El;
     const size_t rb = (size_t)a.H * a.esize;
     const int nvec = (int)(rb / 16);
-    const int passes = (nvec + 32 * DU - 1) / (32 * DU);
+    const int passes = (nvec + 32 * U - 1) / (32 * U);
     const int per_pass = ((nvec + passes - 1) / passes + 31) & ~31;
-    const int row = lane < K ? em_epos(a, L)[(size_t)i * K + lane] : -1;
     const unsigned mask = __ballot_sync(FULL, row >= 0);
     if (!mask)
         return;
@@ -293,7 +296,7 @@ __device__ __forceinline__ void em_push_token(const hep_kargs &a, const lview &v
         pk += x == myid ? w : 0.f;
     }
     const int kd = row >= 0 ? (int)((myid - first) / El) : 0;
-    push_row((const uint4 *)(v.tok + (size_t)i * rb), v.slot != 0, mask, kd, row, s_x, rb, nvec,
+    push_row<U>((const uint4 *)(v.tok + (size_t)i * rb), v.slot != 0, mask, kd, row, s_x, rb, nvec,
              per_pass);
     if (row >= 0)
         s_prob[kd][row] = pk;
@@ -306,8 +309,49 @@ __device__ __forceinline__ void em_push_token(const hep_kargs &a, const lview &v
     }
 }
 
+// Token i of list L (v), its rows as the layout placed them (epos).
+template <int U = DU>
+__device__ __forceinline__ void em_push_token(const hep_kargs &a, const lview &v, int L, int i,
+                                              char *const *s_x, float *const *s_prob,
+                                              float *const *s_scale)
+{
+    const int lane = threadIdx.x & 31;
+    const int row = lane < v.K ? em_epos(a, L)[(size_t)i * v.K + lane] : -1;
+    em_push_rows<U>(a, v, i, row, s_x, s_prob, s_scale);
+}
+
+// N > 1, one warp: token q of the slot from node L, at row r of the ring chunk v that holds
+// it. Its rows come from the places its sender shipped (node_pack.cu: among the sender's
+// tokens on each expert) and list L's bases (em_layout: the padded blocks, the sources
+// before the sender), so that any chunk is placed as it lands, without the whole slot;
+// epos and ekey keep them for combine. push: false when the layout exceeded the receive
+// capacity (only the handle's words are written).
+__device__ __forceinline__ void em_forward_token(const hep_kargs &a, const lview &v, int L, int q,
+                                                 int r, char *const *s_x, float *const *s_prob,
+                                                 float *const *s_scale, bool push)
+{
+    const int lane = threadIdx.x & 31, K = a.kmax, RE = a.R * a.El;
+    const long long first = (long long)a.rank0 * a.El;
+    int row = -1, key = -1;
+    if (lane < K) {
+        const long long x = list_id(a, v, r, lane);
+        const int pl = __ldcg(v.place + (size_t)r * K + lane);
+        if (pl >= 0 && x >= first && x < first + RE) {
+            key = (int)(x - first);
+            const long long pos = (long long)ld_l2(em_ebase(a, L) + key) + pl;
+            row = pos < a.budget ? (int)pos : -1;
+        }
+        em_epos(a, L)[(size_t)q * K + lane] = row;
+        em_ekey(a, L)[(size_t)q * K + lane] = key;
+    }
+    if (push) /* RING_DU: the across-nodes instance's registers (dispatch.cu) */
+        em_push_rows<RING_DU>(a, v, r, row, s_x, s_prob, s_scale);
+}
+
 // Every block after the layout: its pairs' rows (unless reused), the node-mates' output
-// pointers into the block's tables, this rank's padding, then its own tokens' rows.
+// pointers into the block's tables, this rank's padding, then its own tokens' rows (U: as
+// in push_row; across nodes RING_DU).
+template <int U = DU>
 static __device__ void em_push(const hep_kargs &a, const layout_smem &s, char **s_x,
                                float **s_prob, float **s_scale)
 {
@@ -332,45 +376,9 @@ static __device__ void em_push(const hep_kargs &a, const layout_smem &s, char **
     block_range(a.t, blockIdx.x, gridDim.x, t0, t1);
     warp_range(t0, t1, tid >> 5, blockDim.x >> 5, w0, w1);
     for (int i = w0; i < w1; i++)
-        em_push_token(a, own, a.node, i, s_x, s_prob, s_scale);
+        em_push_token<U>(a, own, a.node, i, s_x, s_prob, s_scale);
     bulk_wait_all();
 }
 
-// N > 1, every block after em_push, once the other nodes' slots arrived (wait_slots): the
-// block's pairs of each slot placed and its counts saved (ebc of that list); one more grid
-// barrier (every block's counts are in); then each slot's places made rows and its tokens
-// pushed (unless !push: this node's layout exceeded the receive capacity, and the slots are
-// only consumed). false when a wait gave up.
-static __device__ bool em_push_slots(const hep_kargs &a, unsigned long long e, const layout_smem &s,
-                                     char *const *s_x, float *const *s_prob,
-                                     float *const *s_scale, bool push)
-{
-    const int RE = a.R * a.El, tid = threadIdx.x;
-    for (int L = 0; L < a.N; L++) {
-        if (L == a.node)
-            continue;
-        em_places(a, s, list_of(a, L), L);
-        int *ebc = em_ebc(a, L) + (size_t)blockIdx.x * RE;
-        for (int j = tid; j < RE; j += blockDim.x)
-            ebc[j] = s.cnt[j];
-        __syncthreads(); /* before the next list's places zero s.cnt */
-    }
-    grid_arrive(a.grid_arrive2);
-    if (!grid_wait(a, a.grid_arrive2, e * (unsigned long long)gridDim.x))
-        return false;
-    for (int L = 0; L < a.N; L++) {
-        if (L == a.node)
-            continue;
-        const lview v = list_of(a, L);
-        int t0, t1, w0, w1;
-        em_finalize(a, s, v, L);
-        block_range(v.t, blockIdx.x, gridDim.x, t0, t1);
-        warp_range(t0, t1, tid >> 5, blockDim.x >> 5, w0, w1);
-        for (int i = w0; push && i < w1; i++)
-            em_push_token(a, v, L, i, s_x, s_prob, s_scale);
-    }
-    bulk_wait_all();
-    return true;
-}
 
 #endif

@@ -19,6 +19,7 @@ struct lview {
     const int *ids;
     const float *w;
     const int *off; /* a slot: [t][R] each token's offset at each local rank (else NULL) */
+    const int *place; /* a slot: [t][kmax] each slot's expert-major place (else NULL) */
 };
 
 __device__ __forceinline__ long long topk_at(const hep_kargs &a, int i, int k)
@@ -39,6 +40,7 @@ __device__ __forceinline__ lview list_of(const hep_kargs &a, int L)
         v.t = a.t, v.K = a.K, v.slot = 0;
         v.tok = (const char *)a.tokens, v.scl = a.scales, v.ids = NULL, v.w = a.weights;
         v.off = NULL;
+        v.place = NULL;
     } else {
         /* the whole slot: only where its ring holds it (P x C >= T: the expert-major
          * layout; the rank-major path reads a ring chunk by chunk, dispatch.cu) */
@@ -49,6 +51,7 @@ __device__ __forceinline__ lview list_of(const hep_kargs &a, int L)
         v.ids = a.slot_route + s * ST * (size_t)HEP_GPU_ROUTE_WORDS(a.kmax, a.R);
         v.w = (const float *)(v.ids + ST * a.kmax);
         v.off = v.ids + 2 * ST * a.kmax;
+        v.place = v.off + ST * a.R;
     }
     return v;
 }

@@ -8,6 +8,9 @@
 // travel) and the skip word of the ring's unused chunks. No row is copied here: the
 // dispatch kernel packs the rings chunk by chunk as credits come back (kernels/ring.cuh;
 // a pack that waited for credits would wait for a kernel that cannot run before it ends).
+// An expert-major call also gives each own token's slot on another node's expert its place
+// among this rank's tokens on that expert (em_place, shipped with the token), so that the
+// receiver places any chunk's rows without a scan of the whole slot (kernels/expert_major.cuh).
 #include <cuda_runtime.h>
 
 #include "kernels/ring.cuh"
@@ -17,14 +20,90 @@
 #endif
 
 static_assert(PACK_THREADS >= HEP_GPU_MAX_NODES, "one thread per node (tid < N)");
+static_assert(PACK_THREADS / 32 <= 32, "tile_positions' warp counts: [32 warps][32 keys]");
+
+// The key of own token i's slot k on node m's experts (x - m R El), or -1: not an expert of
+// m, or not the token's first slot on that expert.
+__device__ __forceinline__ int em_key(const hep_kargs &a, int i, int k, int m)
+{
+    const long long Enode = (long long)a.El * a.R, x = topk_at(a, i, k);
+    if (x < m * Enode || x >= (m + 1) * Enode)
+        return -1;
+    for (int q = 0; q < k; q++)
+        if (topk_at(a, i, q) == x)
+            return -1;
+    return (int)(x - m * Enode);
+}
+
+// Expert-major calls, before the grid barrier: each own token's slot on another node's
+// expert its place among the block's tokens on that expert (em_place, -1 for every other
+// slot), one node at a time in words of 32 experts; the block's counts per expert of node
+// m to em_pblocks[m][b]. run: [R El] shared; wcnt: tile_positions' [32][32].
+__device__ void em_block_places(const hep_kargs &a, int t0, int t1, int *run, int *wcnt)
+{
+    const int tid = threadIdx.x, RE = a.R * a.El, K = a.K, kmax = a.kmax;
+    for (int k = tid; k < (t1 - t0) * kmax; k += blockDim.x)
+        a.em_place[(size_t)t0 * kmax + k] = -1;
+    for (int m = 0; m < a.N; m++) {
+        if (m == a.node)
+            continue;
+        for (int j = tid; j < RE; j += blockDim.x)
+            run[j] = 0;
+        __syncthreads(); /* also: the -1s above before the places below */
+        for (int tile = t0; tile < t1; tile += blockDim.x) {
+            const int i = tile + tid;
+            for (int w0 = 0; w0 < RE; w0 += 32) {
+                const int nb = min(32, RE - w0);
+                unsigned mask = 0;
+                for (int k = 0; i < t1 && k < K; k++) {
+                    const int key = em_key(a, i, k, m);
+                    if (key >= w0 && key < w0 + 32)
+                        mask |= 1u << (key - w0);
+                }
+                int pos[32]; /* the token's place on each expert of the word (-1: none) */
+                tile_positions(mask, nb, i < t1, pos, wcnt, run + w0);
+                for (int k = 0; mask && k < K; k++) {
+                    const int key = em_key(a, i, k, m);
+                    if (key >= w0 && key < w0 + 32)
+                        a.em_place[(size_t)i * kmax + k] = pos[key - w0];
+                }
+            }
+        }
+        __syncthreads();
+        for (int j = tid; j < RE; j += blockDim.x)
+            a.em_pblocks[((size_t)m * gridDim.x + blockIdx.x) * RE + j] = run[j];
+        __syncthreads(); /* the next node's counts start from 0 */
+    }
+}
+
+// After the grid barrier: the places made rank-wide (plus the earlier blocks' tokens on the
+// same expert). pre: [R El] shared.
+__device__ void em_rebase_places(const hep_kargs &a, int t0, int t1, int *pre)
+{
+    const int RE = a.R * a.El, K = a.K, kmax = a.kmax, S = gridDim.x, b = blockIdx.x;
+    for (int m = 0; m < a.N; m++) {
+        if (m == a.node)
+            continue;
+        block_prefix(a.em_pblocks + (size_t)m * S * RE, S, RE, b, pre, NULL);
+        for (int k = threadIdx.x; b > 0 && k < (t1 - t0) * K; k += blockDim.x) {
+            const int i = t0 + k / K, q = k % K, key = em_key(a, i, q, m);
+            int *p = a.em_place + (size_t)i * kmax + q;
+            if (key >= 0 && *p >= 0)
+                *p += pre[key];
+        }
+        __syncthreads(); /* before the next node's prefix overwrites pre */
+    }
+}
 
 __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
 {
     extern __shared__ int ncnt[]; // [N][R][El + 1]: the count block of each node's slot
     const int N = a.N, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int R = a.R, El = a.El, CBI = R * (El + 1), NR = N * R;
+    const int R = a.R, El = a.El, CBI = R * (El + 1), NR = N * R, RE = R * El;
     int *run_md = ncnt + (size_t)N * CBI; /* [N][R] the block's tokens per (node, rank) ... */
     int *pre_md = run_md + NR;            /* ... and the earlier blocks' */
+    int *run_em = pre_md + NR;            /* [R El] expert-major: one node's experts ... */
+    int *pre_em = run_em + RE;            /* ... the earlier blocks' counts of them */
     const size_t CBW = HEP_COUNT_BLOCK_WORDS((size_t)R, (size_t)El);
     const int nwarps = blockDim.x >> 5, S = gridDim.x, b = blockIdx.x;
     const long long Enode = (long long)a.El * a.R, E = Enode * N;
@@ -99,6 +178,8 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
             tile_positions(dmask, R, i < t1, a.pack_off + ((size_t)i * N + m) * R, &wcnt[0][0],
                            run_md + (size_t)m * R);
         }
+    if (a.emajor)
+        em_block_places(a, t0, t1, run_em, &wcnt[0][0]);
     if (tid < N)
         a.node_blocks[(size_t)b * N + tid] = run[tid];
     for (int j = tid; j < NR; j += blockDim.x)
@@ -139,6 +220,8 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
         if (k % NR / R != a.node && v >= 0)
             *p = v + pre_md[k % NR];
     }
+    if (a.emajor)
+        em_rebase_places(a, t0, t1, pre_em);
     // the own token at each row of each slot: the dispatch kernel packs the ring from it
     for (int k = tid; k < (t1 - t0) * N; k += blockDim.x) {
         const int i = t0 + k / N, m = k % N, q = a.node_pos[(size_t)i * N + m];
@@ -150,8 +233,9 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
 
 extern "C" size_t hep_node_pack_smem(int N, int R, int El)
 {
-    /* the count blocks, then the tokens per (node, rank) of this block and of the earlier */
-    return sizeof(int) * (size_t)N * (size_t)R * (size_t)(El + 3);
+    /* the count blocks, then the tokens per (node, rank) of this block and of the earlier,
+     * then the expert-major counts of one node's experts, this block's and the earlier */
+    return sizeof(int) * ((size_t)N * (size_t)R * (size_t)(El + 3) + 2 * (size_t)R * El);
 }
 
 extern "C" int hep_launch_node_pack(const hep_kargs *a, int blocks, void *stream)

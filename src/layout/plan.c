@@ -351,11 +351,14 @@ int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *
     /* [N][132 blocks][R] the scan's block counts; across nodes then the pack's scratch:
      * [T][N][R] each own token's offset among this rank's tokens for each (node, local
      * rank), [132 blocks][N][R] the pack blocks' counts of them, [N][T] the own token at
-     * each row of each node's slot, and the ring counters of both phases */
+     * each row of each node's slot, the ring counters of both phases, and for the
+     * expert-major layout [T][kmax] each own slot's place on its expert and [132 blocks]
+     * [W El] the pack blocks' counts per expert */
     if (c->backend != HEP_BACKEND_HOST)
         add(&x, HEP_BUF_HANDLE_BLOCKS, "handle.block_counts", "dispatch", "i32", 4,
             132 * W + (nodes > 1 ? mul3(&x, T, W, 1) + 132 * W + mul3(&x, T, (size_t)nodes, 1) +
-                                       HEP_RING_CTR_WORDS((size_t)nodes)
+                                       HEP_RING_CTR_WORDS((size_t)nodes) +
+                                       mul3(&x, T, (size_t)c->max_topk, 1) + 132 * W * El
                                  : 0),
             HEP_ARENA_LOCAL, 0);
     add(&x, HEP_BUF_DIAG, "diag.timeout_record", "both", "byte", 1, 4096, HEP_ARENA_MAPPED, 0);
