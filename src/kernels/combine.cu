@@ -580,6 +580,47 @@ __device__ __forceinline__ bool own_free(const hep_kargs &a, int i, unsigned lon
     return __all_sync(FULL, ok);
 }
 
+// One reducing warp's share (rw of nrw) of chunk k (`rows` tokens) of node L's slot s here:
+// each token's partial sum (and probabilities) into its row of the ring to L; the last
+// warp to finish publishes the chunk. CU x CD: vectors a lane in flight (combine_row).
+template <bool EM, int CU, int CD>
+__device__ __forceinline__ void reduce_chunk(const hep_kargs &a, const char *const *s_x,
+                                             const float *const *s_pin, int L, int s, int k,
+                                             int rows, int mybase, int rw, int nrw,
+                                             unsigned long long c)
+{
+    const int lane = threadIdx.x & 31, R = a.R;
+    const size_t rb = (size_t)a.H * 2, ST = (size_t)a.ST;
+    int w0, w1;
+    warp_range(0, rows, rw, nrw, w0, w1);
+#pragma unroll 1
+    for (int r = w0; r < w1; r++) {
+        const int q = k * a.C + r;
+        const size_t row = (size_t)s * ST + (size_t)ring_row(a, q);
+        uint4 *red = (uint4 *)(a.red_token + row * rb);
+        if (EM)
+            em_combine_row<CU>(a, s_x, L, q, red, NULL);
+        else
+            combine_row<false, CU, CD>(a, s_x, L, q, mybase, red, NULL);
+        if (a.probs_out) { /* every rank of the call alike */
+            float *pr = a.red_prob + row * R * a.El;
+            if (EM)
+                em_node_probs(a, s_pin, L, q, pr);
+            else
+                node_probs(a, L, q, pr);
+        }
+    }
+    __syncwarp();
+    if (lane == 0) {
+        __threadfence_system(); /* this warp's rows before its count */
+        if (ring_produced(a, 1, L, k, nrw)) {
+            __threadfence_system();
+            ring_publish(a, 1, a.red_words, L, k, rows, c);
+        }
+    }
+    __syncwarp();
+}
+
 // Reducer side, one warp (rw of nrw reducing warps in the grid): every other node's slot
 // here, chunk by chunk into the ring to that node, each chunk's rows shared by all
 // reducing warps, the last one publishing it. A warp never blocks on one ring: it goes on
@@ -592,7 +633,7 @@ __device__ bool reduce_rings(const hep_kargs &a, const char *const *s_x, const f
                              int rw, int nrw, unsigned long long c, int *cur)
 {
     const int lane = threadIdx.x & 31, N = a.N, R = a.R, C = a.C, P = a.P;
-    const size_t rb = (size_t)a.H * 2, ST = (size_t)a.ST, B = ring_base_word(a);
+    const size_t B = ring_base_word(a);
     for (int j = lane; j < N; j += 32)
         cur[j] = 0;
     __syncwarp();
@@ -618,32 +659,7 @@ __device__ bool reduce_rings(const hep_kargs &a, const char *const *s_x, const f
                 }
                 const int rows = min(C, cnt - k * C);
                 const int mybase = lane < R ? ld_l2(a.meta + L * R + lane) : 0;
-                int w0, w1;
-                warp_range(0, rows, rw, nrw, w0, w1);
-                for (int r = w0; r < w1; r++) {
-                    const int q = k * C + r;
-                    const size_t row = (size_t)s * ST + (size_t)ring_row(a, q);
-                    uint4 *red = (uint4 *)(a.red_token + row * rb);
-                    if (EM)
-                        em_combine_row<RING_CU>(a, s_x, L, q, red, NULL);
-                    else
-                        combine_row<false, RING_CU, RING_CD>(a, s_x, L, q, mybase, red, NULL);
-                    if (a.probs_out) { /* every rank of the call alike */
-                        float *pr = a.red_prob + row * R * a.El;
-                        if (EM)
-                            em_node_probs(a, s_pin, L, q, pr);
-                        else
-                            node_probs(a, L, q, pr);
-                    }
-                }
-                __syncwarp();
-                if (lane == 0) {
-                    __threadfence_system(); /* this warp's rows before its count */
-                    if (ring_produced(a, 1, L, k, nrw)) {
-                        __threadfence_system();
-                        ring_publish(a, 1, a.red_words, L, k, rows, c);
-                    }
-                }
+                reduce_chunk<EM, RING_CU, RING_CD>(a, s_x, s_pin, L, s, k, rows, mybase, rw, nrw, c);
                 k++;
                 moved = true;
             }
@@ -680,11 +696,11 @@ __device__ bool reduce_rings(const hep_kargs &a, const char *const *s_x, const f
 // does, without its credit waits (no position is taken twice in a call) and with the own
 // tokens' 4 x 2 vectors a lane in flight.
 template <bool EM>
-__device__ __forceinline__ void reduce_whole(const hep_kargs &a, const char *const *s_x, const float *const *s_pin,
-                             int rw, int nrw, unsigned long long c)
+__device__ __forceinline__ void reduce_whole(const hep_kargs &a, const char *const *s_x,
+                                             const float *const *s_pin, int rw, int nrw,
+                                             unsigned long long c)
 {
     const int lane = threadIdx.x & 31, N = a.N, R = a.R, C = a.C;
-    const size_t rb = (size_t)a.H * 2, ST = (size_t)a.ST;
 #pragma unroll 1
     for (int L = 0; L < N; L++) {
         if (L == a.node)
@@ -692,37 +708,9 @@ __device__ __forceinline__ void reduce_whole(const hep_kargs &a, const char *con
         const int s = slot_index(L, a.node), cnt = a.slot_rows[s], n = ring_chunks(cnt, C);
         const int mybase = lane < R ? ld_l2(a.meta + L * R + lane) : 0;
 #pragma unroll 1
-        for (int k = 0; k < n; k++) {
-            const int rows = min(C, cnt - k * C);
-            int w0, w1;
-            warp_range(0, rows, rw, nrw, w0, w1);
-#pragma unroll 1
-            for (int r = w0; r < w1; r++) {
-                const int q = k * C + r;
-                const size_t row = (size_t)s * ST + (size_t)ring_row(a, q);
-                uint4 *red = (uint4 *)(a.red_token + row * rb);
-                if (EM)
-                    em_combine_row<4>(a, s_x, L, q, red, NULL);
-                else
-                    combine_row<false, 4, 2>(a, s_x, L, q, mybase, red, NULL);
-                if (a.probs_out) {
-                    float *pr = a.red_prob + row * R * a.El;
-                    if (EM)
-                        em_node_probs(a, s_pin, L, q, pr);
-                    else
-                        node_probs(a, L, q, pr);
-                }
-            }
-            __syncwarp();
-            if (lane == 0) {
-                __threadfence_system(); /* this warp's rows before its count */
-                if (ring_produced(a, 1, L, k, nrw)) {
-                    __threadfence_system();
-                    ring_publish(a, 1, a.red_words, L, k, rows, c);
-                }
-            }
-            __syncwarp();
-        }
+        for (int k = 0; k < n; k++)
+            reduce_chunk<EM, 4, 2>(a, s_x, s_pin, L, s, k, min(C, cnt - k * C), mybase, rw, nrw,
+                                   c);
     }
 }
 
