@@ -5,8 +5,10 @@
 # AB_VARIANTS: the variant names (default: every .gpu/var/* without "trace" in its name);
 # AB_SWEEP1: the one-rank SM counts (16,132). A name may also be a whole second build carried
 # as .gpu/<name> (bench/gpu_build.sh of another branch, its library in .gpu/<name>/lib).
-# AB_SET=nodes runs the 2 x 4 and 4 x 2 loopback benches instead (BF16, --sms 12 and 16, and
-# AB_NODE_ARGS, default "--chunk 0" where the build has rings: one extra row set). Trace builds (HEP_LAYOUT_TRACE) run once each, their cycle lines printed.
+# AB_SET=nodes runs the 2 x 4 and 4 x 2 loopback benches instead (BF16, --sms 8 and 12 (16 leaves
+# the loopback copies 4 free SMs: 2-3x slower, noise), and
+# AB_NODE_ARGS, default "--chunk 0", more sets separated by ';' (e.g. "--chunk 0;--chunk 2048"),
+# each where the build has its option: one extra row set each, at 12 SMs). Trace builds (HEP_LAYOUT_TRACE) run once each, their cycle lines printed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hep-gpu}
@@ -31,12 +33,14 @@ for r in $(seq 1 "${AB_ROUNDS:-2}"); do
     if [ "${AB_SET:-kernels}" = nodes ]; then
       for shape in "2 4" "4 2"; do
         set -- $shape
-        for sms in 12 16; do
+        for sms in 8 12; do
           HEP_GPU_MR_MODE=dmabuf HEP_LOG_LEVEL=warn run $d "$n" --nodes $1 --ranks-per-node $2 --sms $sms
         done
-        if [ -n "$node_args" ] && "$d/hybridep" bench --help 2>&1 | grep -q -- "${node_args%% *}"; then
-          HEP_GPU_MR_MODE=dmabuf HEP_LOG_LEVEL=warn run $d "$n" --nodes $1 --ranks-per-node $2 --sms 12 $node_args
-        fi
+        IFS=';' read -ra sets <<< "$node_args"
+        for extra in "${sets[@]}"; do
+          [ -n "$extra" ] && "$d/hybridep" bench --help 2>&1 | grep -q -- "${extra%% *}" &&
+            HEP_GPU_MR_MODE=dmabuf HEP_LOG_LEVEL=warn run $d "$n" --nodes $1 --ranks-per-node $2 --sms 12 $extra
+        done
       done
       continue
     fi

@@ -3,8 +3,9 @@
 # by bench/gpu_build.sh in .gpu/ (carried with the call). Full logs go to $OUT.
 # Usage: bench/gpu_check.sh [all|test|san|bench|sweep|nodes|variants|python|mpi|stress]...  (several modes run in order;
 #   BENCH_ARGS adds options to every bench; SWEEP_SMS the SM counts of `sweep`)
-#   test: the GPU tests; san: compute-sanitizer memcheck and racecheck on small cases (SAN_BINS:
-#     test_gpu_ep test_gpu_train)
+#   test: the GPU tests; san: compute-sanitizer memcheck and racecheck on small cases (SAN_BINS
+#     the binaries, default test_gpu_ep test_gpu_train; SAN_LIMIT seconds a run, 150;
+#     SAN_TIMEOUT_MS the kernels' HEP_TIMEOUT_MS under the tools, 20000)
 #   sweep: one rank (E_l = 8, K = 8) and eight ranks (bench defaults) across SM counts
 #   nodes: the benches of 2 x 4 and 4 x 2 virtual nodes over the loopback NIC
 #   variants: the benches of each kernel variant built by bench/gpu_variants.sh
@@ -61,7 +62,7 @@ if want san; then
       for tool in memcheck racecheck; do
         step "compute-sanitizer $tool $bin (small cases)"
         leak=; [ $tool = memcheck ] && leak="--leak-check full"
-        HEP_GPU_TEST_SMALL=1 HEP_TIMEOUT_MS=${SAN_TIMEOUT_MS:-20000} timeout 150 \
+        HEP_GPU_TEST_SMALL=1 HEP_TIMEOUT_MS=${SAN_TIMEOUT_MS:-20000} timeout ${SAN_LIMIT:-150} \
           compute-sanitizer --tool $tool $leak $B/$bin
         echo "compute-sanitizer $tool $bin exit: $?"
       done
