@@ -659,7 +659,8 @@ __device__ bool reduce_rings(const hep_kargs &a, const char *const *s_x, const f
                 }
                 const int rows = min(C, cnt - k * C);
                 const int mybase = lane < R ? ld_l2(a.meta + L * R + lane) : 0;
-                reduce_chunk<EM, RING_CU, RING_CD>(a, s_x, s_pin, L, s, k, rows, mybase, rw, nrw, c);
+                reduce_chunk<EM, RING_CU, RING_CD>(a, s_x, s_pin, L, s, k, rows, mybase, rw,
+                                                   nrw, c);
                 k++;
                 moved = true;
             }

@@ -428,10 +428,25 @@ __device__ bool ring_counts(const hep_kargs &a, unsigned long long e, int *cin, 
     return true;
 }
 
-// Dispatch across nodes (EM: the expert-major layout): the rings' chunks 0..P-1 go out first
-// (no credit), then the own tokens, then step k = 0, 1, ...: send chunk k + P - 1 of every ring sent (k >= 1;
-// its credit is chunk k - 1's at the receiver, freed a step earlier, so its round trip
-// hides behind that step), then forward chunk k of every ring received.
+// Every block, at the start of a dispatch across nodes, before the layout step: chunks
+// 0..P-1 of every ring to the other nodes (no credit: positions not yet taken this call),
+// chunk 0 of every ring first. Their tokens are the pack kernel's (its count of each
+// node's, its offsets and places). false when a wait gave up.
+__device__ bool ring_send_first(const hep_kargs &a, unsigned long long e)
+{
+    for (int k = 0; k < a.P; k++)
+        for (int m = 0; m < a.N; m++) {
+            const int cnt = m == a.node ? 0 : (int)ld_relaxed(a.send_words + m);
+            if (m != a.node && !send_chunk(a, m, k, ring_chunks(cnt, a.C), cnt, e))
+                return false;
+        }
+    return true;
+}
+
+// Dispatch across nodes (EM: the expert-major layout), after ring_send_first and the
+// layout: the own tokens, then step k = 0, 1, ...: send chunk k + P - 1 of every ring sent
+// (k >= 1; its credit is chunk k - 1's at the receiver, freed a step earlier, so its round
+// trip hides behind that step), then forward chunk k of every ring received.
 // Deadlock freedom (all ranks' kernels co-resident, as the node's flags already require):
 // suppose every block of every rank finished the steps before k. The sends of step k wait
 // for the credits of chunk k - 1, which every rank freed in step k - 1, so they go out;
@@ -450,10 +465,6 @@ __device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool ove
     int steps = 0;
     for (int m = 0; m < N; m++)
         steps = max(steps, max(ring_chunks(cin[m], C), ring_chunks(cout[m], C) - P + 1));
-    for (int k = 0; k < P; k++)
-        for (int m = 0; m < N; m++)
-            if (m != a.node && !send_chunk(a, m, k, ring_chunks(cout[m], C), cout[m], e))
-                return false;
     if (EM && !over) /* also the node-mates' outputs into s_x, s_prob, s_scale */
         em_push<RING_DU>(a, s, s_x, s_prob, s_scale);
     else if (!over)
@@ -480,7 +491,6 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     extern __shared__ int sm[];
     const int R = a.R, N = a.N, tid = threadIdx.x, S = gridDim.x, b = blockIdx.x;
     const layout_smem s = layout_smem_at(sm + STAGE_BYTES / sizeof(int), R, a.El);
-    const unsigned long long t_start = now_ns();
     /* destination tables in shared memory: indexing the kernel parameters by a run-time
      * destination compiles to constant-bank loads, which stall on every row pass */
     __shared__ char *s_x[HEP_GPU_MAX_LOCAL];
@@ -495,6 +505,11 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
     int *mine = a.counts[a.local] + (size_t)(e & 1) * N * R * (a.El + 1);
     if (EM && b == 0 && tid == 0)
         em_publish_outputs(a);
+    // across nodes the rings' first P chunks need no credit: they go out before the layout
+    // step, so that the network moves them while this rank lays out
+    if (NODES && !ring_send_first(a, e))
+        return;
+    const unsigned long long t_start = now_ns(); /* the layout step's clock (layout_report) */
 
     if (a.reuse) { // a handle's layout (N = 1): only the barrier of the layout step
         grid_arrive(a.grid_arrive);
