@@ -41,9 +41,10 @@ typedef enum { HEP_BACKEND_GPU = 0, HEP_BACKEND_HOST = 1 } hep_backend;
 #define HEP_MAX_RANKS_PER_NODE_HOST 64
 #define HEP_MAX_NODES_HOST 128
 /* config.chunk_tokens = HEP_CHUNK_DEFAULT (the default) takes the backend's default:
- * HEP_CHUNK_DEFAULT_HOST tokens on the host backend. On the GPU kernels, one chunk of T
- * (no ring: no credit round trips through the CPU proxy) where a rank's inter-node slots
- * take at most HEP_GPU_WHOLE_SLOT_BYTES, counted as 3 x (N - 1) x T BF16 rows of H
+ * HEP_CHUNK_DEFAULT_HOST tokens on the host backend. On the GPU kernels, two chunks of
+ * ceil(T / 2) (the ring holds the whole slot: no credit round trips through the CPU proxy,
+ * and chunk 0 travels while chunk 1 is packed) where a rank's inter-node slots take at
+ * most HEP_GPU_WHOLE_SLOT_BYTES, counted as 3 x (N - 1) x T BF16 rows of H
  * (2 x 4 and 4 x 2 nodes at T = 4096, H = 7168: 176 and 528 MB); past it
  * HEP_CHUNK_GPU_RING_TOKENS / (N - 1) tokens, between 8 and HEP_CHUNK_DEFAULT_GPU (512 up
  * to 8 nodes, 28 at 128): a rank's rings hold as many tokens in all as 8 nodes' rings of
@@ -75,7 +76,7 @@ typedef struct hep_config {
                              Default 16. All co-located ranks of a GPU must fit together. */
     int combine_sms;      /* likewise for combine. Default 16. */
     int chunk_tokens;     /* C: -1..4096, default HEP_CHUNK_DEFAULT (-1): the backend's
-                             default, 8 on the host backend; on the GPU kernels one chunk of T
+                             default, 8 on the host backend; on the GPU kernels ceil(T / 2)
                              while the slots fit HEP_GPU_WHOLE_SLOT_BYTES, else 3584 / (N - 1)
                              clamped to 8..512 (above). N > 1:
                              each inter-node slot (receive, send staging, partial sums) is a
