@@ -702,8 +702,14 @@ static int drop_sequence(tcase *c, rank_ctx *x, hep_group *g, hep_handle *hA, he
                 rc = hep_dispatch_ex(g, &da, &xo, &dr);
                 if (rc && rc != HEP_WARN_IGNORED)
                     FAIL("rank %d: no-sync dispatch past the capacity: %s", r, hep_last_error());
-                if ((crc = do_combine(g, hA, b, 0, st, HEP_ASYNC, 1)))
-                    FAIL("rank %d: no-sync combine of it: %s", r, hep_last_error());
+                if ((crc = do_combine(g, hA, b, 0, st, HEP_ASYNC, 1))) {
+                    /* the combine's call saw the proxy's failure; the dispatch kernel's own
+                     * record (which wait it gave up on) comes with the stream's end */
+                    char first[224];
+                    snprintf(first, sizeof(first), "%s", hep_last_error());
+                    FAIL("rank %d: no-sync combine of it: %s (then hep_group_sync: %.220s)", r,
+                         first, hep_group_sync(g, st) ? hep_last_error() : "ok");
+                }
             }
             rr = dr;
             o->rc[2] = hep_group_sync(g, st);

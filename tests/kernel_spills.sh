@@ -1,0 +1,33 @@
+#!/bin/sh
+# Every kernel instance compiles for sm_90 without register spills (ptxas -v), so that a change
+# that makes a kernel spill shows here, and not first as a slower bench on the GPU machine.
+# A known spill is allowed by a line "mangled-name max-store-bytes max-load-bytes" in
+# tests/kernel_spills.allow, with a comment above it saying why.
+# Usage: kernel_spills.sh NVCC SOURCE_DIR
+set -u
+nvcc=$1 src=$2
+tmp=$(mktemp -d) || exit 1
+trap 'rm -rf "$tmp"' EXIT
+allow="$src/tests/kernel_spills.allow"
+fail=0
+for f in "$src"/src/kernels/*.cu; do
+  if ! "$nvcc" -arch=sm_90 -O3 -std=c++17 -I"$src/src" -I"$src/include" -cubin -Xptxas -v \
+      -o "$tmp/k.cubin" "$f" > "$tmp/log" 2>&1; then
+    echo "FAILED to compile: $f"; cat "$tmp/log"; fail=1; continue
+  fi
+  awk -v file="${f##*/}" -v allow="$allow" '
+    BEGIN { while ((getline l < allow) > 0) if (l !~ /^#/ && split(l, a, " ") == 3) {
+              ok_s[a[1]] = a[2]; ok_l[a[1]] = a[3] } }
+    /Compiling entry function/ { split($0, p, "\047"); name = p[2]; want = 1; next }
+    want && /spill stores/ {
+      s = $0; sub(/.*frame, /, "", s); split(s, q, " "); st = q[1] + 0; ld = q[5] + 0; want = 0
+      lim_s = (name in ok_s) ? ok_s[name] + 0 : 0; lim_l = (name in ok_l) ? ok_l[name] + 0 : 0
+      if (st > lim_s || ld > lim_l) {
+        printf "SPILLS: %s %s: %d bytes of spill stores, %d of loads (allowed %d, %d)\n",
+               file, name, st, ld, lim_s, lim_l; bad = 1
+      } else
+        printf "ok: %s %s: %d / %d bytes of spill stores / loads\n", file, name, st, ld
+    }
+    END { exit bad }' "$tmp/log" || fail=1
+done
+exit $fail
