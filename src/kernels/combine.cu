@@ -563,7 +563,8 @@ __device__ __forceinline__ bool own_wait(const hep_kargs &a, int i, unsigned lon
 
 // ... and once its partial sums (and probabilities) were read: each counts as one token of
 // its chunk; the token that completes a chunk (C tokens: only full chunks are freed, and
-// only they are waited for) frees it.
+// only they are waited for) frees it. Not with WHOLE rings: no chunk of a call takes a
+// position twice, so no sender waits for a credit (the proxy's batch holds none).
 __device__ __forceinline__ bool own_free(const hep_kargs &a, int i, unsigned long long c)
 {
     const int lane = threadIdx.x & 31;
@@ -774,7 +775,7 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
             else
                 combine_probs_token(a, i);
         }
-        if (NODES && !own_free(a, i, c))
+        if (NODES && !WHOLE && !own_free(a, i, c))
             return false;
     }
     (void)first_grab;
@@ -805,7 +806,7 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
                 else
                     combine_probs_token(a, i);
             }
-            if (NODES && !own_free(a, i, c))
+            if (NODES && !WHOLE && !own_free(a, i, c))
                 return false;
         }
         next = __shfl_sync(FULL, pending, 0);

@@ -34,10 +34,11 @@ __device__ __forceinline__ int ring_chunks(int tokens, int C)
     return (tokens + C - 1) / C;
 }
 
-// The row within its slot of the slot's q-th token.
+// The row within its slot of the slot's q-th token (q itself where the ring holds the
+// whole slot, P x C >= T: no division then).
 __device__ __forceinline__ int ring_row(const hep_kargs &a, int q)
 {
-    return q / a.C % a.P * a.C + q % a.C;
+    return a.ST >= a.T ? q : q / a.C % a.P * a.C + q % a.C;
 }
 
 __device__ __forceinline__ size_t ring_base_word(const hep_kargs &a)
