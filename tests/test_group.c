@@ -276,11 +276,12 @@ static int wire_rank(rank_ctx *r)
     da.topk = 2;
     da.topk_weights = &wts[0][0];
     rc = hep_dispatch(g, &da, &dr);
-    for (int p = 0; rc == 0 && p < 4; p++) {
+    /* rank 0 alone writes w: another rank storing back what it read would lose its update */
+    for (int p = 0; rc == 0 && r->rank == 0 && p < 4; p++) {
         hep_proxy_stats(g->proxy, p, &st);
-        w->bytes[p] = r->rank == 0 ? st.bytes : w->bytes[p];
-        w->data_wrs[p] = r->rank == 0 ? st.data_wrs : w->data_wrs[p];
-        w->flag_wrs[p] = r->rank == 0 ? st.flag_wrs : w->flag_wrs[p];
+        w->bytes[p] = st.bytes;
+        w->data_wrs[p] = st.data_wrs;
+        w->flag_wrs[p] = st.flag_wrs;
     }
     w->rc[r->rank] = rc;
     if (rc == 0) {
