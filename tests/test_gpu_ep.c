@@ -631,6 +631,7 @@ static void gpu_ranks_of_one_process_refuse_the_legacy_default_stream(void **sta
         print_message("rank %d: %s\n", r, ctx[r].err);
         assert_int_equal(ctx[r].rc, 0);
         assert_non_null(strstr(ctx[r].err, "legacy default stream"));
+        assert_non_null(strstr(ctx[r].err, "hep_inproc_stream")); /* and where to get one */
     }
 }
 
