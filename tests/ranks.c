@@ -4,32 +4,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include <cuda_runtime_api.h>
-
 #include "core/core.h"
 #include "ranks.h"
-
-#define RS_GPUS 16
-#define RS_RANKS 1024
-
-int rank_stream(int rank, void **out)
-{
-    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-    static cudaStream_t streams[RS_GPUS][RS_RANKS];
-    int dev = 0;
-    cudaError_t e = cudaGetDevice(&dev);
-    *out = NULL;
-    if (e != cudaSuccess)
-        return (int)e;
-    if (dev < 0 || dev >= RS_GPUS || rank < 0 || rank >= RS_RANKS)
-        return (int)cudaErrorInvalidValue;
-    pthread_mutex_lock(&lock);
-    if (!streams[dev][rank])
-        e = cudaStreamCreateWithFlags(&streams[dev][rank], cudaStreamNonBlocking);
-    *out = streams[dev][rank];
-    pthread_mutex_unlock(&lock);
-    return (int)e;
-}
 
 static void *rank_main(void *p)
 {

@@ -56,23 +56,32 @@ typedef struct dev_bufs {
     float *sc, *w;
 } dev_bufs;
 
-static int dev_alloc(const ep_case *c, int rank, size_t max_recv, dev_bufs *d)
+/* 0, or a failure with its reason in err */
+static int dev_alloc(const ep_case *c, int rank, size_t max_recv, dev_bufs *d, char *err,
+                     size_t len)
 {
     const size_t T = (size_t)c->cfg.max_tokens + 1, H = (size_t)c->cfg.hidden;
     memset(d, 0, sizeof(*d));
-    return rank_stream(rank, (void **)&d->st) ||
-           cudaMalloc(&d->tok, T * H * esize(c)) != cudaSuccess ||
-           cudaMalloc((void **)&d->sc, T * (H / 128 + 1) * 4) != cudaSuccess ||
-           cudaMalloc(&d->idx, T * (size_t)c->K * 8) != cudaSuccess ||
-           cudaMalloc((void **)&d->w, T * (size_t)c->K * 4) != cudaSuccess ||
-           cudaMalloc(&d->eo, (max_recv + 1) * H * 2) != cudaSuccess ||
-           cudaMalloc(&d->out, T * H * 2) != cudaSuccess;
+    if (hep_inproc_stream(0, rank, (void **)&d->st)) {
+        snprintf(err, len, "stream: %s", hep_last_error());
+        return -1;
+    }
+    if (cudaMalloc(&d->tok, T * H * esize(c)) != cudaSuccess ||
+        cudaMalloc((void **)&d->sc, T * (H / 128 + 1) * 4) != cudaSuccess ||
+        cudaMalloc(&d->idx, T * (size_t)c->K * 8) != cudaSuccess ||
+        cudaMalloc((void **)&d->w, T * (size_t)c->K * 4) != cudaSuccess ||
+        cudaMalloc(&d->eo, (max_recv + 1) * H * 2) != cudaSuccess ||
+        cudaMalloc(&d->out, T * H * 2) != cudaSuccess) {
+        snprintf(err, len, "device buffers: %s", cudaGetErrorString(cudaGetLastError()));
+        return -1;
+    }
+    return 0;
 }
 
 static void dev_free(dev_bufs *d)
 {
     cudaFree(d->tok), cudaFree(d->sc), cudaFree(d->idx), cudaFree(d->w), cudaFree(d->eo);
-    cudaFree(d->out); /* the stream is the rank's for the process (rank_stream) */
+    cudaFree(d->out); /* the stream is the rank's for the process (hep_inproc_stream) */
 }
 
 #define CK(x)                                                                                    \
@@ -198,9 +207,7 @@ static int stress_rank(rank_ctx *rc)
         hep_group_get_info(g, &gi);
         maxr = (size_t)gi.max_recv_rows;
     }
-    if (s->gpu && dev_alloc(c, rc->rank, maxr, &d)) {
-        snprintf(o->err, sizeof(o->err), "device buffers: %s",
-                 cudaGetErrorString(cudaGetLastError()));
+    if (s->gpu && dev_alloc(c, rc->rank, maxr, &d, o->err, sizeof(o->err))) {
         o->rc_dispatch = HEP_ERR_CUDA;
         s->failed = 1; /* the others see it at the first check and stop */
     }

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include <cmocka.h>
+#include <cuda_runtime_api.h>
 
 #include "core/core.h"
 #include "ranks.h"
@@ -74,12 +75,64 @@ static void inproc_world_rejects_bad_sizes(void **state)
     hep_inproc_world_destroy(NULL);
 }
 
+/* hep_inproc_stream's argument checks come before any CUDA call: the same answers in
+ * every build, with a GPU or without one. */
+static void inproc_stream_rejects_bad_arguments(void **state)
+{
+    void *s = (void *)&s;
+    (void)state;
+    assert_int_equal(hep_inproc_stream(0, 0, NULL), HEP_ERR_INVALID);
+    assert_non_null(strstr(hep_last_error(), "output pointer is NULL"));
+    assert_int_equal(hep_inproc_stream(0, -1, &s), HEP_ERR_INVALID);
+    assert_null(s);
+    assert_non_null(strstr(hep_last_error(), "rank -1 is not in 0..4095"));
+    s = (void *)&s;
+    /* the slots above the ranks' are the loopback NIC's: no rank reaches them */
+    assert_int_equal(hep_inproc_stream(0, HEP_INPROC_MAX_RANKS, &s), HEP_ERR_INVALID);
+    assert_null(s);
+    assert_non_null(strstr(hep_last_error(), "rank 4096 is not in 0..4095"));
+    assert_int_equal(hep_inproc_stream(-1, 0, &s), HEP_ERR_INVALID);
+    assert_non_null(strstr(hep_last_error(), "CUDA device -1 is not a device number"));
+    /* the in-process world has the same bound */
+    {
+        hep_inproc_world *w = NULL;
+        assert_int_equal(hep_inproc_world_create(HEP_INPROC_MAX_RANKS + 1, &w), HEP_ERR_INVALID);
+        assert_null(w);
+    }
+}
+
+/* Without a usable GPU (no device, no driver, or a build without CUDA) the call says so,
+ * as HEP_ERR_UNAVAILABLE, and fills nothing. */
+static void inproc_stream_without_a_gpu_is_unavailable_with_the_reason(void **state)
+{
+    void *s = (void *)&s;
+    int n = 0;
+    (void)state;
+    if (cudaGetDeviceCount(&n) == cudaSuccess && n > 0) {
+        print_message("skipped: this machine has a CUDA GPU (test_gpu_ep checks the streams)\n");
+        skip();
+    }
+    (void)cudaGetLastError();
+    for (int round = 0; round < 2; round++) { /* a failure is not cached as a table */
+        assert_int_equal(hep_inproc_stream(0, 3, &s), HEP_ERR_UNAVAILABLE);
+        assert_null(s);
+        print_message("%s\n", hep_last_error());
+        assert_non_null(strstr(hep_last_error(), "hep_inproc_stream, CUDA device 0: "
+                                                 "cudaGetDeviceCount failed"));
+#ifdef HEP_NO_CUDA
+        assert_non_null(strstr(hep_last_error(), "no CUDA support"));
+#endif
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(inproc_allgather_returns_every_rank_in_order),
         cmocka_unit_test(inproc_timeout_names_the_rank_that_did_not_arrive),
         cmocka_unit_test(inproc_world_rejects_bad_sizes),
+        cmocka_unit_test(inproc_stream_rejects_bad_arguments),
+        cmocka_unit_test(inproc_stream_without_a_gpu_is_unavailable_with_the_reason),
     };
     return cmocka_run_group_tests_name("bootstrap", tests, NULL, NULL);
 }

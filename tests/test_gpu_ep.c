@@ -1,8 +1,9 @@
 /* GPU tests (an H200 or any sm_90 / sm_100 device): the kernels against the host backend
  * and the global oracle on fresh random inputs, outputs poisoned first, every element
  * checked; graph replay against eager calls; the timeout naming a missing rank; the real
- * DMA-BUF export; create/destroy with device memory. Without a GPU every test skips with
- * the reason. HEP_GPU_TEST_SMALL=1 runs only small cases (for compute-sanitizer). */
+ * DMA-BUF export; create/destroy with device memory; the kept per-rank streams. Without a
+ * GPU every test skips with the reason. HEP_GPU_TEST_SMALL=1 runs only small cases (for
+ * compute-sanitizer). */
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -20,6 +21,7 @@
 #include <cuda_runtime_api.h>
 #include <infiniband/verbs.h>
 
+#include "bootstrap/stream.h"
 #include "core/core.h"
 #include "ep_case.h"
 #include "fake_mr.h"
@@ -112,7 +114,12 @@ static int run_rank_gpu(rank_ctx *rc)
         return rc0;
     }
     maxr = g->plan.max_recv_rows;
-    CK((cudaError_t)rank_stream(rc->rank, (void **)&st));
+    rc0 = hep_inproc_stream(dev, rc->rank, (void **)&st);
+    if (rc0) {
+        o->rc_dispatch = rc0;
+        snprintf(o->err, sizeof(o->err), "stream: %s", hep_last_error());
+        goto out;
+    }
     CK(cudaMalloc(&d_tok, rb * (size_t)in->t + 16));
     CK(cudaMalloc((void **)&d_sc, sizeof(float) * (size_t)(ns + 1) * (size_t)(in->t + 1)));
     CK(cudaMalloc(&d_idx, ib * (size_t)c->K * (size_t)(in->t + 1)));
@@ -641,7 +648,7 @@ static int capture_rank(rank_ctx *r)
     cudaSetDevice(0);
     if ((rc = hep_group_create(&c, &r->bs, 0, &g)))
         return rc;
-    if (rank_stream(r->rank, (void **)&st)) {
+    if (hep_inproc_stream(0, r->rank, (void **)&st)) {
         hep_group_destroy(g);
         return -1;
     }
@@ -685,7 +692,7 @@ static int legacy_stream_rank(rank_ctx *r)
     hep_combine_args ca;
     int rc, ok = 1;
     cudaSetDevice(0);
-    if (rank_stream(r->rank, (void **)&st))
+    if (hep_inproc_stream(0, r->rank, (void **)&st))
         return -1;
     if ((rc = hep_group_create(&c, &r->bs, 0, &g)))
         return rc;
@@ -722,6 +729,7 @@ static void gpu_ranks_of_one_process_refuse_the_legacy_default_stream(void **sta
         print_message("rank %d: %s\n", r, ctx[r].err);
         assert_int_equal(ctx[r].rc, 0);
         assert_non_null(strstr(ctx[r].err, "legacy default stream"));
+        assert_non_null(strstr(ctx[r].err, "hep_inproc_stream")); /* and where to get one */
     }
 }
 
@@ -917,7 +925,7 @@ static int gpu_fault_rank(rank_ctx *r)
     cudaSetDevice(0);
     /* a stream of its own: on the legacy default stream the ranks' kernels would queue
      * behind each other (the library refuses it) */
-    if (rank_stream(r->rank, (void **)&st))
+    if (hep_inproc_stream(0, r->rank, (void **)&st))
         return HEP_ERR_CUDA;
     f->stage[r->rank] = "group create";
     rc = hep_group_create_ex(&c, &r->bs, 0, &hooks, &g);
@@ -1093,6 +1101,66 @@ static void gpu_huge_timeout_is_capped_not_wrapped_into_a_tiny_kernel_bound(void
     }
 }
 
+/* hep_inproc_stream: one non-blocking stream per (device, rank), the same on every call and
+ * from every thread, shared with no other rank nor with a loopback NIC's copy stream (their
+ * slots lie above the ranks'), made on the device asked for, the caller's device untouched. */
+static int stream_of_rank_1000(rank_ctx *r)
+{
+    void **got = r->arg;
+    return hep_inproc_stream(0, 1000, &got[r->rank]);
+}
+
+static void gpu_inproc_stream_is_made_once_per_device_and_rank(void **state)
+{
+    enum { K = HEP_STREAM_NIC_SLOTS };
+    void *got[8] = {0}, *all[2 * K], *s = NULL;
+    rank_ctx ctx[8];
+    unsigned flags = 0;
+    int n = 0, dev = -1;
+    (void)state;
+    if (!have_gpu())
+        skip();
+    assert_int_equal(cudaGetDeviceCount(&n), cudaSuccess);
+    /* 8 threads at once ask for a stream nobody made yet: all get the same one */
+    assert_int_equal(run_ranks(8, stream_of_rank_1000, got, ctx), 0);
+    for (int r = 0; r < 8; r++) {
+        if (ctx[r].rc)
+            fail_msg("thread %d: %s", r, ctx[r].err);
+        assert_non_null(got[r]);
+        assert_ptr_equal(got[r], got[0]);
+    }
+    assert_int_equal(cudaStreamGetFlags((cudaStream_t)got[0], &flags), cudaSuccess);
+    assert_true(flags & cudaStreamNonBlocking);
+    assert_int_equal(hep_inproc_stream(0, 1000, &s), HEP_OK);
+    assert_ptr_equal(s, got[0]);
+    for (int k = 0; k < K; k++) {
+        assert_int_equal(hep_inproc_stream(0, k, &all[k]), HEP_OK);
+        assert_int_equal(hep_kept_stream(0, HEP_STREAM_NIC_SLOT0 + k, "test", &all[K + k]), HEP_OK);
+    }
+    for (int i = 0; i < 2 * K; i++)
+        for (int j = i + 1; j < 2 * K; j++)
+            if (!all[i] || all[i] == all[j])
+                fail_msg("kept streams %d and %d: %p and %p", i, j, all[i], all[j]);
+    /* from the last device, device 0's stream: made there, the caller stays where it was */
+    assert_int_equal(cudaSetDevice(n - 1), cudaSuccess);
+    assert_int_equal(hep_inproc_stream(0, 2000, &s), HEP_OK);
+    assert_int_equal(cudaGetDevice(&dev), cudaSuccess);
+    assert_int_equal(dev, n - 1);
+#if CUDART_VERSION >= 12080
+    assert_int_equal(cudaStreamGetDevice((cudaStream_t)s, &dev), cudaSuccess);
+    assert_int_equal(dev, 0);
+    assert_int_equal(hep_inproc_stream(n - 1, 0, &s), HEP_OK);
+    assert_int_equal(cudaStreamGetDevice((cudaStream_t)s, &dev), cudaSuccess);
+    assert_int_equal(dev, n - 1);
+#endif
+    assert_int_equal(cudaSetDevice(0), cudaSuccess);
+    /* a device past the last: invalid, saying how many there are */
+    assert_int_equal(hep_inproc_stream(n, 0, &s), HEP_ERR_INVALID);
+    assert_null(s);
+    print_message("%s\n", hep_last_error());
+    assert_non_null(strstr(hep_last_error(), "does not exist"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1112,6 +1180,8 @@ int main(void)
         cmocka_unit_test(gpu_create_destroy_100_times_leaks_no_device_memory_fd_or_thread),
         cmocka_unit_test(gpu_destroy_after_a_timeout_frees_all_device_memory),
         cmocka_unit_test(gpu_huge_timeout_is_capped_not_wrapped_into_a_tiny_kernel_bound),
+        /* last: the streams it makes beyond the other cases' take no queue from them */
+        cmocka_unit_test(gpu_inproc_stream_is_made_once_per_device_and_rank),
     };
     int n = 0;
     setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0); /* one hardware queue per virtual rank */

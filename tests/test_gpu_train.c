@@ -842,9 +842,10 @@ static int run_rank(rank_ctx *x)
     int rc = 0;
     memset(&b, 0, sizeof(b));
     if (c->gpu) {
-        if (cudaSetDevice(0) != cudaSuccess ||
-            rank_stream(r, (void **)&st))
-            FAIL("rank %d: CUDA stream", r);
+        if (cudaSetDevice(0) != cudaSuccess)
+            FAIL("rank %d: cudaSetDevice(0) failed", r);
+        if (hep_inproc_stream(0, r, (void **)&st))
+            FAIL("rank %d: %s", r, hep_last_error());
     }
     cfg.backend = c->gpu ? HEP_BACKEND_GPU : HEP_BACKEND_HOST;
     if (c->R) { /* virtual nodes: the loopback NIC, whatever HEP_NIC says */

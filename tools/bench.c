@@ -681,23 +681,6 @@ out:
     return NULL;
 }
 
-/* Rank r's stream on GPU dev, made once and kept for the process: a GPU has at most 32
- * hardware queues, taken in turn by each new stream, so streams made per run (a sweep
- * runs the ranks again at every SM count) would soon share a queue with a live rank's, and
- * a rank's kernel would wait behind one that waits for it. */
-static cudaError_t bench_stream(int dev, int r, cudaStream_t *out)
-{
-    static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-    static cudaStream_t streams[BENCH_MAX_GPUS][BENCH_MAX_RANKS];
-    cudaError_t e = cudaSuccess;
-    pthread_mutex_lock(&lock);
-    if (!streams[dev][r])
-        e = cudaStreamCreateWithFlags(&streams[dev][r], cudaStreamNonBlocking);
-    *out = streams[dev][r];
-    pthread_mutex_unlock(&lock);
-    return e;
-}
-
 static void *gpu_rank(void *p)
 {
     thread_arg *ta = p;
@@ -724,7 +707,9 @@ static void *gpu_rank(void *p)
     HCK(hep_group_get_info(g, &gi));
     if (ta->rank == 0)
         snprintf(b->nic, sizeof(b->nic), "%s", gi.transport);
-    CKB(bench_stream(dev, ta->rank, &st));
+    /* kept for the process: a sweep runs the ranks again at every SM count, and streams
+     * made per run would soon share a hardware queue with a live rank's */
+    HCK(hep_inproc_stream(dev, ta->rank, (void **)&st));
     for (int k = 0; k < 7; k++)
         CKB(cudaEventCreate(&ev[k]));
     CKB(cudaMalloc(&d_tok, rb * (size_t)d->t + 16));

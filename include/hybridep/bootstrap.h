@@ -31,15 +31,37 @@ typedef struct hep_bootstrap {
 /* ---- in-process bootstrap: one thread per rank ---- */
 typedef struct hep_inproc_world hep_inproc_world;
 
-/* A world of `size` ranks in this process. Its collectives wait at most HEP_TIMEOUT_MS
- * for every rank and then fail with HEP_ERR_TIMEOUT naming the ranks that did not come;
- * after a failed collective every later one fails with the same message (create a new
- * world). Returns 0 or HEP_ERR_INVALID / HEP_ERR_NOMEM. */
+/* The most ranks of one in-process world (and of hep_inproc_stream). */
+#define HEP_INPROC_MAX_RANKS 4096
+
+/* A world of `size` ranks (1..HEP_INPROC_MAX_RANKS) in this process. Its collectives wait
+ * at most HEP_TIMEOUT_MS for every rank and then fail with HEP_ERR_TIMEOUT naming the ranks
+ * that did not come; after a failed collective every later one fails with the same message
+ * (create a new world). Returns 0 or HEP_ERR_INVALID / HEP_ERR_NOMEM. */
 int hep_inproc_world_create(int size, hep_inproc_world **world);
 /* Fill *bs for `rank` of the world (call from that rank's thread or before starting it). */
 int hep_inproc_bootstrap(hep_inproc_world *world, int rank, hep_bootstrap *bs);
 /* Release the world; no rank may still use it. NULL is accepted. */
 void hep_inproc_world_destroy(hep_inproc_world *world);
+
+/* The stream of virtual rank `rank` (0..HEP_INPROC_MAX_RANKS-1) on CUDA device `device`:
+ * *stream receives a cudaStream_t (non-blocking: it never waits for the legacy default
+ * stream), made by the first call for that (device, rank) and the same one on every later
+ * call, from any thread, for the rest of the process. Never destroy it.
+ *
+ * Why kept: virtual ranks on one GPU run co-dependent kernels, so each needs a stream of
+ * its own (the legacy default stream is refused) and those streams must sit on distinct
+ * hardware queues. A GPU has at most 32 of them (CUDA_DEVICE_MAX_CONNECTIONS) and every
+ * new stream takes the next one in turn, whichever streams were destroyed meanwhile: streams
+ * made and destroyed per group soon share a queue with a live rank's, and a rank's kernel
+ * then waits behind one that waits for it, until the timeout. Made once per rank, they take
+ * their queues once (the loopback NIC keeps its copy streams in the same table).
+ *
+ * The calling thread's current device is as before the call. Returns 0, or, with
+ * hep_last_error() set: HEP_ERR_INVALID (stream NULL, rank out of range, no such device),
+ * HEP_ERR_UNAVAILABLE (no usable CUDA device, or a build of hybridep without CUDA),
+ * HEP_ERR_NOMEM, or HEP_ERR_CUDA (the CUDA call that failed and its error). */
+int hep_inproc_stream(int device, int rank, void **stream);
 
 #ifdef __cplusplus
 }

@@ -170,6 +170,7 @@ _declare("hep_combine_ex", ctypes.c_int, ctypes.c_void_p, P(CombineArgs), P(Comb
 _declare("hep_inproc_world_create", ctypes.c_int, ctypes.c_int, P(ctypes.c_void_p))
 _declare("hep_inproc_bootstrap", ctypes.c_int, ctypes.c_void_p, ctypes.c_int, P(Bootstrap))
 _declare("hep_inproc_world_destroy", None, ctypes.c_void_p)
+_declare("hep_inproc_stream", ctypes.c_int, ctypes.c_int, ctypes.c_int, P(ctypes.c_void_p))
 _declare("hep_group_sync", ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 
 # Each struct laid out here must be the library's: a field the C side gained would be

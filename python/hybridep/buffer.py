@@ -14,10 +14,11 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the pointe
 
 class ThreadWorld:
     """`size` ranks as threads of this process (the C library's in-process bootstrap):
-    `Buffer(world.rank(r), ...)` in thread r. What one process driving several virtual
-    ranks needs (one GPU, whose kernels have the expert-major layout and the probabilities
-    through combine for ranks of one process; the host backend has them across the
-    processes of one node too). Every
+    `Buffer(world.rank(r), ...)` in thread r, on a GPU under
+    `with torch.cuda.stream(world.rank(r).stream()):` (a stream of its own, kept for the
+    process). What one process driving several virtual ranks needs (one GPU, whose kernels
+    have the expert-major layout and the probabilities through combine for ranks of one
+    process; the host backend has them across the processes of one node too). Every
     collective waits at most HEP_TIMEOUT_MS and names the ranks that did not come."""
 
     def __init__(self, size):
@@ -43,6 +44,26 @@ class _ThreadRank:
         self.table = _lib.Bootstrap()
         _lib.check(_lib.lib.hep_inproc_bootstrap(world._w, r, ctypes.byref(self.table)),
                    "hep_inproc_bootstrap")
+
+    def stream(self, device=None):
+        """This rank's CUDA stream on `device` (an index, "cuda:N" or a torch.device;
+        default: torch's current device) as a torch.cuda.ExternalStream, for
+        `with torch.cuda.stream(rank.stream()):` around this rank's calls. Made at the
+        first call for (device, rank) and the same one for the rest of the process (the C
+        library's hep_inproc_stream): virtual ranks on one GPU need a stream each, and
+        streams made and dropped per Buffer would soon share a hardware queue with a live
+        rank's, whose kernel then waits behind one that waits for it."""
+        if device is None:
+            index = torch.cuda.current_device()
+        elif isinstance(device, int):
+            index = device
+        else:
+            d = torch.device(device)
+            index = d.index if d.index is not None else torch.cuda.current_device()
+        ptr = ctypes.c_void_p()
+        _lib.check(_lib.lib.hep_inproc_stream(int(index), self.rank, ctypes.byref(ptr)),
+                   "hep_inproc_stream")
+        return torch.cuda.ExternalStream(ptr.value, device=torch.device("cuda", int(index)))
 
 
 class Handle:

@@ -1,4 +1,6 @@
 """hybridep.Buffer on the host backend, one process per rank (gloo), against plain torch."""
+import os
+
 import pytest
 import torch
 
@@ -181,3 +183,25 @@ def _gpu_refused(rank, world):
     with pytest.raises(RuntimeError, match="torch sees no CUDA device; use backend='host'"):
         hybridep.Buffer(None, H, T, EL, backend="gpu")
     return True
+
+
+def test_a_thread_rank_stream_on_a_bad_device_is_refused_by_name():
+    w = hybridep.ThreadWorld(2)
+    try:
+        with pytest.raises(hybridep.HybridEPError, match="CUDA device -1 is not a device") as info:
+            w.rank(1).stream(-1)
+        assert info.value.status_name == "HEP_ERR_INVALID"
+    finally:
+        w.close()
+
+
+def test_a_thread_rank_stream_without_a_gpu_says_why():
+    if torch.cuda.is_available() or os.path.exists("/dev/nvidiactl"):
+        pytest.skip("this machine has a GPU: the refusal without one cannot be seen here")
+    w = hybridep.ThreadWorld(2)
+    try:
+        with pytest.raises(hybridep.HybridEPError, match="hep_inproc_stream") as info:
+            w.rank(0).stream(0)
+        assert info.value.status_name == "HEP_ERR_UNAVAILABLE", str(info.value)
+    finally:
+        w.close()

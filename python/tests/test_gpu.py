@@ -219,3 +219,20 @@ def test_dispatch_with_permute_on_the_gpu_runs_or_raises_the_library_message():
     assert all(v.startswith("ran") for v in out.values()), out
     run_ranks(_permute_needs_the_staging, WORLD, timeout=300)
     run_ranks(_compat_permute_default, WORLD, timeout=300)
+
+
+@needs_gpu
+def test_thread_ranks_keep_one_stream_each_for_the_process():
+    """ThreadWorld ranks' streams: one per rank, the same from a later world, usable by torch."""
+    w, w2 = hybridep.ThreadWorld(2), hybridep.ThreadWorld(2)
+    try:
+        a, b = w.rank(0).stream(0), w.rank(1).stream("cuda:0")
+        assert a.cuda_stream and b.cuda_stream and a.cuda_stream != b.cuda_stream
+        assert w2.rank(0).stream(torch.device("cuda", 0)).cuda_stream == a.cuda_stream
+        with torch.cuda.stream(a):
+            x = torch.ones(4, device="cuda:0") * 2
+        a.synchronize()
+        assert float(x.sum()) == 8.0
+    finally:
+        w.close()
+        w2.close()

@@ -155,8 +155,9 @@ int hep_inproc_world_create(int size, hep_inproc_world **world)
     if (!world)
         return hep_fail(HEP_ERR_INVALID, "in-process world: the output pointer is NULL");
     *world = NULL;
-    if (size <= 0 || size > 4096)
-        return hep_fail(HEP_ERR_INVALID, "in-process world: size %d is not in 1..4096", size);
+    if (size <= 0 || size > HEP_INPROC_MAX_RANKS)
+        return hep_fail(HEP_ERR_INVALID, "in-process world: size %d is not in 1..%d", size,
+                        HEP_INPROC_MAX_RANKS);
     w = calloc(1, sizeof(*w) + (size_t)size * sizeof(inproc_rank));
     if (!w)
         return hep_fail(HEP_ERR_NOMEM, "in-process world: out of memory");

@@ -140,8 +140,8 @@ static int check_stream(const hep_group *g, void *stream, const char *call)
     return hep_fail(HEP_ERR_INVALID,
                     "%s: stream is the legacy default stream, but the %d ranks of this node are "
                     "threads of one process: their kernels wait for each other and would queue "
-                    "behind each other on it; give each rank a stream of its own "
-                    "(cudaStreamCreateWithFlags(..., cudaStreamNonBlocking))",
+                    "behind each other on it; give each rank a stream of its own, made once "
+                    "and kept (hep_inproc_stream(device, rank, &stream) does that)",
                     call, g->R);
 }
 

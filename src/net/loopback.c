@@ -12,6 +12,7 @@
 #include <cuda_runtime_api.h>
 #include <infiniband/verbs.h>
 
+#include "bootstrap/stream.h"
 #include "core/core.h"
 #include "net/net.h"
 
@@ -46,7 +47,7 @@ typedef struct lb_nic {
     hep_loopback_window *win; /* across processes: [world]; NULL: one process */
     lb_card *cards;           /* across processes, after connect: [world] */
     struct ibv_pd pd;   /* identity only; never passed to libibverbs */
-    cudaStream_t stream; /* copies of device memory (copy_stream); never waits for kernels */
+    cudaStream_t stream; /* copies of device memory (kept for the process); never waits */
     cudaEvent_t last;    /* after this NIC's last copy */
     int have_stream;
     hep_net_completion *done; /* completions waiting to be polled */
@@ -216,37 +217,6 @@ static int push_completion(lb_nic *n, uint64_t wr_id, int status, int peer)
     return HEP_OK;
 }
 
-/* The copy streams of device memory, per (GPU, rank mod LB_STREAMS), made once and kept for
- * the process. A GPU has at most 32 hardware queues (CUDA_DEVICE_MAX_CONNECTIONS) and a
- * new stream takes the next one in turn, whichever streams were destroyed meanwhile: a
- * stream made per group would, after a few groups, share a queue with a live rank's
- * stream, and its copy would wait behind that rank's kernel, which waits for the copy
- * (seen on the H200: the loopback NIC's flag landed after the 5 s timeout). Kept, they
- * take LB_STREAMS queues once; the ranks' own streams take the others. Two NICs of
- * ranks LB_STREAMS apart share a stream: their copies only serialize (none waits for a
- * kernel), and each NIC waits for its own event. */
-#define LB_STREAMS 16
-#define LB_GPUS 16
-static struct {
-    pthread_mutex_t lock;
-    cudaStream_t s[LB_GPUS][LB_STREAMS];
-} lb_streams = {PTHREAD_MUTEX_INITIALIZER};
-
-static cudaError_t copy_stream(int gpu, int rank, cudaStream_t *out)
-{
-    cudaError_t e = cudaSuccess;
-    cudaStream_t *s;
-    if (gpu < 0 || gpu >= LB_GPUS) /* past the cache: a stream of its own, kept as well */
-        return cudaStreamCreateWithFlags(out, cudaStreamNonBlocking);
-    pthread_mutex_lock(&lb_streams.lock);
-    s = &lb_streams.s[gpu][rank % LB_STREAMS];
-    if (!*s)
-        e = cudaStreamCreateWithFlags(s, cudaStreamNonBlocking);
-    *out = *s;
-    pthread_mutex_unlock(&lb_streams.lock);
-    return e;
-}
-
 /* device: copy with the copy engine of GPU `gpu` (the source's, where it is device
  * memory), on the NIC's stream there. */
 static int lb_copy(lb_nic *n, void *dst, const void *src, size_t len, int device, int gpu)
@@ -268,15 +238,26 @@ static int lb_copy(lb_nic *n, void *dst, const void *src, size_t len, int device
         return HEP_OK;
     }
     if (!n->have_stream) {
+        /* The copy stream, per (GPU, rank mod HEP_STREAM_NIC_SLOTS), is kept for the process
+         * in the virtual ranks' table (bootstrap/stream.c): a stream made per NIC would,
+         * after a few groups, share a hardware queue with a live rank's stream, and its copy
+         * would wait behind that rank's kernel, which waits for the copy (seen on the H200:
+         * the loopback NIC's flag landed after the 5 s timeout). Two NICs of ranks 16 apart
+         * share a stream: their copies only serialize (none waits for a kernel), and each
+         * NIC waits for its own event. */
+        void *s = NULL;
+        int rc = hep_kept_stream(gpu, HEP_STREAM_NIC_SLOT0 + n->net.rank % HEP_STREAM_NIC_SLOTS,
+                                 "loopback NIC: its copy stream", &s);
+        if (rc)
+            return rc;
+        n->stream = s;
         /* the thread posting (the proxy) starts on GPU 0: a rank of another GPU copies there */
         e = cudaSetDevice(gpu);
         if (e == cudaSuccess)
-            e = copy_stream(gpu, n->net.rank, &n->stream);
-        if (e == cudaSuccess)
             e = cudaEventCreateWithFlags(&n->last, cudaEventDisableTiming);
         if (e != cudaSuccess)
-            return hep_fail(HEP_ERR_CUDA, "loopback NIC: cannot create its copy stream: %s",
-                            cudaGetErrorString(e));
+            return hep_fail(HEP_ERR_CUDA, "loopback NIC: cannot create its copy event on GPU %d: "
+                            "%s", gpu, cudaGetErrorString(e));
         n->have_stream = 1;
     }
     e = cudaMemcpyAsync(dst, src, len, cudaMemcpyDefault, n->stream);
@@ -489,7 +470,7 @@ static int lb_connect(hep_net *net, const hep_bootstrap *bs)
 static void lb_destroy(hep_net *net)
 {
     lb_nic *n = (lb_nic *)net;
-    if (n->have_stream) { /* its copies end; the stream stays for the next NIC (copy_stream) */
+    if (n->have_stream) { /* its copies end; the stream stays for the next NIC (kept) */
         cudaError_t e = cudaEventSynchronize(n->last);
         if (e != cudaSuccess)
             hep_log(HEP_LOG_WARN, "loopback NIC of rank %d: waiting for its last copy: %s",

@@ -15,6 +15,7 @@ typedef enum cudaError {
     cudaSuccess = 0,
     cudaErrorInvalidValue = 1,
     cudaErrorMemoryAllocation = 2,
+    cudaErrorInsufficientDriver = 35,
     cudaErrorNoDevice = 100,
     cudaErrorPeerAccessAlreadyEnabled = 704,
     cudaErrorNotReady = 600
