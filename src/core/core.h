@@ -26,6 +26,8 @@ void hep_clear_error(void);
 typedef enum { HEP_LOG_ERROR = 0, HEP_LOG_WARN = 1, HEP_LOG_INFO = 2, HEP_LOG_DEBUG = 3 } hep_log_level;
 void hep_log(int level, const char *fmt, ...) HEP_PRINTF(2, 3);
 int hep_log_enabled(int level);
+/* Milliseconds of CLOCK_MONOTONIC (deadlines, and the times in debug lines). */
+double hep_now_ms(void);
 /* Tests capture log lines with a sink; NULL restores stderr. */
 typedef void (*hep_log_sink)(void *ctx, int level, const char *line);
 void hep_log_set_sink(hep_log_sink sink, void *ctx);

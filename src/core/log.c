@@ -1,6 +1,7 @@
 /* core/log.c: leveled logging to stderr, every line prefixed "[HybridEP] ". */
 #include <pthread.h>
 #include <stdio.h>
+#include <time.h>
 
 #include "core.h"
 
@@ -14,6 +15,13 @@ void hep_log_set_sink(hep_log_sink sink, void *ctx)
     log_sink = sink;
     log_sink_ctx = ctx;
     pthread_mutex_unlock(&log_lock);
+}
+
+double hep_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
 }
 
 int hep_log_enabled(int level)

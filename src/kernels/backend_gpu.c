@@ -604,6 +604,18 @@ static int agree_capacity(hep_backend_ctx *g, void *stream, int rc)
 
 /* The GPU dispatch. x: the options (NULL: none); h: the caller handle to record into or,
  * with HEP_REUSE_LAYOUT, to read (NULL: the one-shot layout in the group's buffers). */
+/* HEP_LOG_LEVEL=debug: when each rank's kernel of a call was handed to CUDA (monotonic ms,
+ * the stream), so that a timeout naming a rank that "did not arrive" can be told apart into
+ * a launch that came late (the host thread held up) and a launched kernel that the GPU
+ * started late (its stream queued behind other work). */
+static void launch_log(const hep_backend_ctx *g, const char *phase, unsigned long long call,
+                       void *stream, int done)
+{
+    if (hep_log_enabled(HEP_LOG_DEBUG))
+        hep_log(HEP_LOG_DEBUG, "rank %d: %s call %llu: kernel %s on stream %p at %.3f ms",
+                g->rank, phase, call, done ? "launched" : "launching", stream, hep_now_ms());
+}
+
 static int gpu_dispatch(hep_backend_ctx *g, const hep_dispatch_args *a, hep_dispatch_opts *x,
                         hep_handle *h, hep_dispatch_result *o)
 {
@@ -660,7 +672,9 @@ static int gpu_dispatch(hep_backend_ctx *g, const hep_dispatch_args *a, hep_disp
         if (rc)
             return cuda_status((cudaError_t)rc, "hep_dispatch: kernel launch");
     }
+    launch_log(g, "dispatch", g->epoch + 1, a->stream, 0);
     rc = hep_launch_dispatch(k, g->cfg->dispatch_sms, a->stream);
+    launch_log(g, "dispatch", g->epoch + 1, a->stream, 1);
     if (rc == 0 && em && k->em_stage)
         rc = hep_launch_em_stage_out(k, 64, a->stream);
     if (rc == 0 && copy) {
@@ -775,8 +789,11 @@ static int gpu_combine(hep_backend_ctx *g, const hep_combine_args *a, const hep_
         rc = hep_launch_copy_in(k, 64, a->stream);
     if (k->em_stage)
         rc = hep_launch_em_stage_in(k, 64, a->stream);
-    if (rc == 0)
+    if (rc == 0) {
+        launch_log(g, "combine", g->combine_epoch + 1, a->stream, 0);
         rc = hep_launch_combine(k, g->cfg->combine_sms, a->stream);
+        launch_log(g, "combine", g->combine_epoch + 1, a->stream, 1);
+    }
     if (rc)
         return cuda_status((cudaError_t)rc, "hep_combine: kernel launch");
     g->combine_epoch++;

@@ -32,13 +32,6 @@ struct hep_proxy {
 
 #define FLAG_WR (1ull << 32) /* work request ids: chunk index, + FLAG_WR for its flag */
 
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
-
 static void batch_fail(hep_proxy *p, int rc, const char *msg)
 {
     if (p->rc)
@@ -91,7 +84,7 @@ static int ready_at(hep_proxy *p, int i)
         c->len = count * c->unit;
     }
     p->resolved[i] = 1;
-    p->seen_ms[i] = now_ms();
+    p->seen_ms[i] = hep_now_ms();
     return 1;
 }
 
@@ -193,7 +186,7 @@ static int step(hep_proxy *p)
         if (id >= FLAG_WR && id - FLAG_WR < (uint64_t)p->n) { /* a flag write completed */
             const hep_proxy_chunk *c = &p->chunks[id - FLAG_WR];
             hep_proxy_peer_stats *s = &p->stats[c->peer];
-            double ns = (now_ms() - p->seen_ms[id - FLAG_WR]) * 1e6;
+            double ns = (hep_now_ms() - p->seen_ms[id - FLAG_WR]) * 1e6;
             const double half_ms = (double)hep_env_get()->timeout_ms / 2;
             s->flags_done++;
             s->ready_to_flag_ns += (uint64_t)ns;
@@ -220,8 +213,8 @@ static int step(hep_proxy *p)
         did = 1;
     }
     if (did) /* a streaming batch is late only when nothing moved for HEP_TIMEOUT_MS */
-        p->deadline_ms = now_ms() + (double)hep_env_get()->timeout_ms;
-    if (!p->rc && p->remaining_posts > 0 && now_ms() > p->deadline_ms) {
+        p->deadline_ms = hep_now_ms() + (double)hep_env_get()->timeout_ms;
+    if (!p->rc && p->remaining_posts > 0 && hep_now_ms() > p->deadline_ms) {
         char m[1024];
         for (int i = 0; i < p->n; i++)
             if (!p->posted[i]) {
@@ -325,7 +318,7 @@ int hep_proxy_submit(hep_proxy *p, const hep_proxy_chunk *chunks, int n, uint64_
         p->epoch = epoch;
         p->rc = 0;
         p->msg[0] = 0;
-        p->deadline_ms = now_ms() + (double)hep_env_get()->timeout_ms;
+        p->deadline_ms = hep_now_ms() + (double)hep_env_get()->timeout_ms;
         p->busy = 1;
         pthread_cond_broadcast(&p->cond);
     }
@@ -394,10 +387,10 @@ int hep_proxy_wait_flag_arrived(const volatile uint64_t *flag, uint64_t expect,
                                 const volatile uint64_t *arrived, int me, int peer,
                                 const char *what)
 {
-    double start = now_ms(), limit = (double)hep_env_get()->timeout_ms;
+    double start = hep_now_ms(), limit = (double)hep_env_get()->timeout_ms;
     uint64_t seen, came;
     while ((seen = __atomic_load_n((const uint64_t *)flag, __ATOMIC_ACQUIRE)) < expect) {
-        if (now_ms() - start > limit) {
+        if (hep_now_ms() - start > limit) {
             came = arrived ? __atomic_load_n((const uint64_t *)arrived, __ATOMIC_ACQUIRE) : 0;
             if (came >= expect) /* its batch started: the flag, not the rank, is missing */
                 return hep_fail(HEP_ERR_TIMEOUT,
@@ -406,12 +399,12 @@ int hep_proxy_wait_flag_arrived(const volatile uint64_t *flag, uint64_t expect,
                                 "arrival word came over the network) but this flag did not "
                                 "arrive (rank %d may be waiting for a rank of its own node: "
                                 "its own timeout names that one)",
-                                me, now_ms() - start, what, peer, (unsigned long long)expect,
+                                me, hep_now_ms() - start, what, peer, (unsigned long long)expect,
                                 (unsigned long long)seen, peer, (unsigned long long)came, peer);
             return hep_fail(HEP_ERR_TIMEOUT,
                             "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for %s from rank %d: "
                             "expected %llu, saw %llu: rank %d did not arrive",
-                            me, now_ms() - start, what, peer, (unsigned long long)expect,
+                            me, hep_now_ms() - start, what, peer, (unsigned long long)expect,
                             (unsigned long long)seen, peer);
         }
         sched_yield();

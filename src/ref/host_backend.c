@@ -394,12 +394,6 @@ static size_t copy_out(hep_backend_ctx *g, int rows, hep_dispatch_opts *x)
  * that only its own progress could give; a loop that moves nothing for HEP_TIMEOUT_MS fails
  * naming the rank it waits for. */
 
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec / 1e6;
-}
 static size_t cb_words(const hep_backend_ctx *g)
 {
     return HEP_COUNT_BLOCK_WORDS((size_t)g->R, (size_t)g->cfg->experts_per_rank);
@@ -878,7 +872,7 @@ static int dispatch_loop(hep_backend_ctx *g, const hep_dispatch_args *a, uint64_
                          pull *c, int *tpe, int record_slots, hep_handle *h)
 {
     const double limit = (double)hep_env_get()->timeout_ms;
-    double last = now_ms();
+    double last = hep_now_ms();
     const size_t B = ring_base(g);
     uint64_t *words = (uint64_t *)hep_be_buf(g, HEP_BUF_D_ATTN_FLAGS);
     view mine;
@@ -895,10 +889,10 @@ static int dispatch_loop(hep_backend_ctx *g, const hep_dispatch_args *a, uint64_
         if (packing < 0 && c->ns >= g->N && short_of < 0)
             return HEP_OK;
         if (moved) {
-            last = now_ms();
+            last = hep_now_ms();
             continue;
         }
-        if (now_ms() - last <= limit) {
+        if (hep_now_ms() - last <= limit) {
             sched_yield();
             continue;
         }
@@ -909,7 +903,7 @@ static int dispatch_loop(hep_backend_ctx *g, const hep_dispatch_args *a, uint64_
                      "of its dispatch rows for node %d needs chunk %d freed, expected %llu, saw "
                      "%llu: rank %d frees a chunk of its ring once every rank of its node read it "
                      "(a rank of node %d that did not read it is named by its own timeout)",
-                     g->rank, now_ms() - last, d->peer, d->next, d->m, d->next - g->plan->ring,
+                     g->rank, hep_now_ms() - last, d->peer, d->next, d->m, d->next - g->plan->ring,
                      (unsigned long long)HEP_RING_VAL(e, d->next - g->plan->ring + 1),
                      (unsigned long long)load_acq(&words[B + (size_t)d->m]), d->peer, d->m);
         } else if (wait_q >= 0) {
@@ -921,7 +915,7 @@ static int dispatch_loop(hep_backend_ctx *g, const hep_dispatch_args *a, uint64_
                      "arrived at call %llu (its counts came) but this chunk did not arrive (it "
                      "may be waiting for a credit or a rank of its own node: its own timeout "
                      "names that one)",
-                     g->rank, now_ms() - last, wait_q, from, g->node * g->R + c->l,
+                     g->rank, hep_now_ms() - last, wait_q, from, g->node * g->R + c->l,
                      (unsigned long long)HEP_RING_VAL(e, wait_q + 1),
                      (unsigned long long)load_acq(&fl[B + (size_t)s]), from,
                      (unsigned long long)load_acq(&fl[2 * (size_t)g->N + (size_t)s]));
@@ -929,7 +923,7 @@ static int dispatch_loop(hep_backend_ctx *g, const hep_dispatch_args *a, uint64_
             snprintf(m, sizeof(m),
                      "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for its node-mate rank %d to read "
                      "the dispatch rows from rank %d in its ring: rank %d did not read them",
-                     g->rank, now_ms() - last, g->node * g->R + lagger,
+                     g->rank, hep_now_ms() - last, g->node * g->R + lagger,
                      short_of * g->R + g->local, g->node * g->R + lagger);
         }
         return stream_abort(g, HEP_ERR_TIMEOUT, m);
@@ -1402,7 +1396,7 @@ static int combine_loop(hep_backend_ctx *g, uint64_t e, combine_run *r)
 {
     const double limit = (double)hep_env_get()->timeout_ms;
     const size_t B = ring_base(g);
-    double last = now_ms();
+    double last = hep_now_ms();
     uint64_t *words = (uint64_t *)hep_be_buf(g, HEP_BUF_C_OUT_FLAGS);
     const uint64_t *in = (const uint64_t *)hep_be_buf(g, HEP_BUF_C_GROUP_FLAGS);
     char msg[1024];
@@ -1415,10 +1409,10 @@ static int combine_loop(hep_backend_ctx *g, uint64_t e, combine_run *r)
         if (packing < 0 && r->next_tok >= g->last_t)
             return HEP_OK;
         if (moved) {
-            last = now_ms();
+            last = hep_now_ms();
             continue;
         }
-        if (now_ms() - last <= limit) {
+        if (hep_now_ms() - last <= limit) {
             sched_yield();
             continue;
         }
@@ -1428,7 +1422,7 @@ static int combine_loop(hep_backend_ctx *g, uint64_t e, combine_run *r)
                      "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for a credit from rank %d: chunk %d "
                      "of its partial sums for node %d needs chunk %d freed, expected %llu, saw "
                      "%llu: rank %d did not free it",
-                     g->rank, now_ms() - last, d->peer, d->next, d->m, d->next - g->plan->ring,
+                     g->rank, hep_now_ms() - last, d->peer, d->next, d->m, d->next - g->plan->ring,
                      (unsigned long long)HEP_RING_VAL(e, d->next - g->plan->ring + 1),
                      (unsigned long long)load_acq(&words[B + (size_t)d->m]), d->peer);
         } else {
@@ -1446,7 +1440,7 @@ static int combine_loop(hep_backend_ctx *g, uint64_t e, combine_run *r)
             snprintf(msg, sizeof(msg),
                      "rank %d waited %.0f ms (HEP_TIMEOUT_MS) for chunk %d of its partial sums "
                      "from rank %d: expected %llu, saw %llu: %s",
-                     g->rank, now_ms() - last, d->got / g->plan->chunk, d->peer,
+                     g->rank, hep_now_ms() - last, d->got / g->plan->chunk, d->peer,
                      (unsigned long long)HEP_RING_VAL(e, d->got / g->plan->chunk + 1),
                      (unsigned long long)load_acq(&in[B + (size_t)d->j]), why);
         }
