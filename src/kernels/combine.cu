@@ -741,6 +741,31 @@ __device__ void ring_combine_setup(const hep_kargs &a, unsigned long long c)
     }
 }
 
+// Own token i: the f32 sum of its rows (across nodes once its partial sums landed), its
+// probabilities, then (rings that wrap) its chunks freed. false when a wait gave up.
+template <bool EM, bool NODES, bool WHOLE>
+__device__ __forceinline__ bool own_token(const hep_kargs &a, const char *const *s_x,
+                                          const float *const *s_pin, unsigned long long c, int i,
+                                          size_t rb, int mybase, const char *parts)
+{
+    uint4 *out = (uint4 *)((char *)a.combine_out + (size_t)i * rb);
+    if (NODES && !own_wait(a, i, c))
+        return false;
+    if (EM)
+        em_combine_row(a, s_x, a.node, i, out, parts);
+    else
+        combine_own(a, s_x, i, mybase, out, parts);
+    if (NODES && a.probs_out) { /* read before the chunks are freed */
+        if (EM)
+            em_combine_probs_token(a, s_pin, i);
+        else
+            combine_probs_token(a, i);
+    }
+    if (NODES && !WHOLE && !own_free(a, i, c))
+        return false;
+    return true;
+}
+
 // The owner's side: this rank's own tokens, each the f32 sum of its rows at the node-mates
 // and (N > 1) the other nodes' partial sums, with its probabilities (probs_out); across
 // nodes a token waits for the chunks of its partial sums and frees them once read. The
@@ -762,20 +787,7 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
     int w0, w1;
     warp_range(0, a.t, gw, nw, w0, w1);
     for (int i = w0; i < w1; i++) {
-        uint4 *out = (uint4 *)((char *)a.combine_out + (size_t)i * rb);
-        if (NODES && !own_wait(a, i, c))
-            return false;
-        if (EM)
-            em_combine_row(a, s_x, a.node, i, out, parts);
-        else
-            combine_own(a, s_x, i, mybase, out, parts);
-        if (NODES && a.probs_out) {
-            if (EM)
-                em_combine_probs_token(a, s_pin, i);
-            else
-                combine_probs_token(a, i);
-        }
-        if (NODES && !WHOLE && !own_free(a, i, c))
+        if (!own_token<EM, NODES, WHOLE>(a, s_x, s_pin, c, i, rb, mybase, parts))
             return false;
     }
     (void)first_grab;
@@ -793,20 +805,7 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
         if (lane == 0)
             pending = (int)atomicAdd(work, GRAB);
         for (int i = i0; i < min(a.t, i0 + GRAB); i++) {
-            uint4 *out = (uint4 *)((char *)a.combine_out + (size_t)i * rb);
-            if (NODES && !own_wait(a, i, c))
-                return false;
-            if (EM)
-                em_combine_row(a, s_x, a.node, i, out, parts);
-            else
-                combine_own(a, s_x, i, mybase, out, parts);
-            if (NODES && a.probs_out) { /* read before the chunks are freed */
-                if (EM)
-                    em_combine_probs_token(a, s_pin, i);
-                else
-                    combine_probs_token(a, i);
-            }
-            if (NODES && !WHOLE && !own_free(a, i, c))
+            if (!own_token<EM, NODES, WHOLE>(a, s_x, s_pin, c, i, rb, mybase, parts))
                 return false;
         }
         next = __shfl_sync(FULL, pending, 0);
