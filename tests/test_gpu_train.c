@@ -333,14 +333,24 @@ typedef struct rank_bufs {
  * into their timeouts under memcheck on the H200). */
 static void settle(const rank_bufs *b)
 {
-    if (b->settle)
-        b->settle->barrier(b->settle->ctx);
+    if (b->settle && b->settle->barrier(b->settle->ctx))
+        fprintf(stderr, "the test's settle barrier failed: %s\n", hep_last_error());
 }
 
 #define FAIL(...)                                                                                \
     do {                                                                                         \
         snprintf(o->err, sizeof(o->err), __VA_ARGS__);                                           \
         goto out;                                                                                \
+    } while (0)
+
+/* The harness's barrier between the ranks' steps. A failed one (a rank later than
+ * HEP_TIMEOUT_MS) fails the case with the bootstrap's message, naming the late ranks:
+ * ignored, the calls after it would time out naming them instead, as if the kernels had
+ * lost them. */
+#define BARRIER()                                                                                \
+    do {                                                                                         \
+        if (x->bs.barrier(x->bs.ctx))                                                            \
+            FAIL("rank %d: the test's barrier: %s", r, hep_last_error());                       \
     } while (0)
 
 /* A rank's routing into dst as the case's index type (int32, or int64 widened). */
@@ -666,7 +676,7 @@ static int drop_sequence(tcase *c, rank_ctx *x, hep_group *g, hep_handle *hA, he
         const int capture = c->R == 0, reps = capture ? c->graph_replays : 1;
         cudaGraph_t graph = NULL;
         cudaGraphExec_t exec = NULL;
-        x->bs.barrier(x->bs.ctx);
+        BARRIER();
         if (capture) {
             if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
                 FAIL("rank %d: begin capture", r);
@@ -681,7 +691,7 @@ static int drop_sequence(tcase *c, rank_ctx *x, hep_group *g, hep_handle *hA, he
         /* every rank ended its capture before any rank synchronizes the device (the poison
          * below): a device-wide synchronization while another thread still captures fails
          * there and invalidates that capture (seen once in five runs on the H200) */
-        x->bs.barrier(x->bs.ctx);
+        BARRIER();
         for (int rep = 0; rep < reps; rep++) {
             hep_dispatch_result rr;
             const size_t rows = (size_t)c->cap;
@@ -692,7 +702,7 @@ static int drop_sequence(tcase *c, rank_ctx *x, hep_group *g, hep_handle *hA, he
                 (capture && cudaMemset((void *)dr.overflow_device, 0xee, 3 * sizeof(int))) ||
                 cudaDeviceSynchronize())
                 FAIL("rank %d: poison", r);
-            x->bs.barrier(x->bs.ctx);
+            BARRIER();
             if (capture) {
                 if (cudaGraphLaunch(exec, st) != cudaSuccess)
                     FAIL("rank %d: graph launch", r);
@@ -861,7 +871,7 @@ static int run_rank(rank_ctx *x)
     /* every rank's buffers exist before any rank's first kernel: a node-mate's kernel writes
      * this rank's caller memory (the expert-major rows), and compute-sanitizer memcheck
      * checks a kernel's accesses against the allocations made before its launch */
-    x->bs.barrier(x->bs.ctx);
+    BARRIER();
     if (c->gpu)
         b.settle = &x->bs;
     if (c->cap_mode == 1) {
@@ -879,12 +889,12 @@ static int run_rank(rank_ctx *x)
             FAIL("rank %d: combine at the capacity: %s", r, hep_last_error());
         save_combine(c, o, &m, &b, 0, c->t[0][r]);
         /* one row short on cap_rank: every rank fails, the receive buffers untouched */
-        x->bs.barrier(x->bs.ctx); /* every node-mate finished reading this rank's rows */
+        BARRIER(); /* every node-mate finished reading this rank's rows */
         if ((c->gpu && (cudaMemset(hep_combine_input(g), 0xff, (size_t)c->cap * rbytes(c)) ||
                         cudaDeviceSynchronize())) ||
             m_set(&m, b.rtok[1], 0xff, rows1))
             FAIL("rank %d: poison", r);
-        x->bs.barrier(x->bs.ctx);
+        BARRIER();
         xo = opts_case(c, &b, hB, 1, 1);
         da = dargs(c, r, &b, 1, 0, st, 0);
         o->rc[2] = hep_dispatch_ex(g, &da, &xo, &dr);
@@ -993,7 +1003,7 @@ static int run_rank(rank_ctx *x)
         cudaGraph_t graph = NULL;
         cudaGraphExec_t exec = NULL;
         int crc = 0;
-        x->bs.barrier(x->bs.ctx);
+        BARRIER();
         if (cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal) != cudaSuccess)
             FAIL("rank %d: begin capture", r);
         xo = opts_case(c, &b, hA, 0, 0);
@@ -1006,7 +1016,7 @@ static int run_rank(rank_ctx *x)
             crc || cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
             FAIL("rank %d: capture: dispatch %d (%s), combine %d (%s)", r, rc, derr, crc,
                  crc ? hep_last_error() : "");
-        x->bs.barrier(x->bs.ctx); /* every rank ended its capture: as above */
+        BARRIER(); /* every rank ended its capture: as above */
         for (int rep = 0; rep < c->graph_replays; rep++) {
             struct rout *h = &c->out[0][r];
             hep_dispatch_result rr = dr;
@@ -1018,7 +1028,7 @@ static int run_rank(rank_ctx *x)
                 cudaMemset(b.pout, 0xff, sizeof(float) * (size_t)c->T * EL * c->W) ||
                 cudaDeviceSynchronize())
                 FAIL("rank %d: poison", r);
-            x->bs.barrier(x->bs.ctx);
+            BARRIER();
             if (cudaGraphLaunch(exec, st) != cudaSuccess)
                 FAIL("rank %d: graph launch", r);
             if ((rc = hep_group_sync(g, st)) && rc != HEP_WARN_IGNORED)
@@ -1046,7 +1056,7 @@ static int run_rank(rank_ctx *x)
     }
 out:
     if (g)
-        x->bs.barrier(x->bs.ctx); /* every rank's calls ended: the guard rows can be read */
+        BARRIER(); /* every rank's calls ended: the guard rows can be read */
     if (g && !o->err[0] && b.maxr)
         (void)guard_intact(c, o, &m, &b, r); /* o->err names a written byte */
     hep_handle_destroy(hA);
