@@ -472,6 +472,12 @@ static int setup_bufs(tcase *c, int r, const mem *m, hep_group *g, rank_bufs *b)
             m_set(m, b->rscale[s] + maxr * ns, GUARD_BYTE, sizeof(float) * GUARD_ROWS * ns))
             return 1;
     }
+    /* cudaMemset of device memory returns before it is done, and so may a cudaMemcpy from
+     * pageable memory: both done before the case's barrier, so that no kernel of the case
+     * (this rank's or a node-mate's, writing into these rows) runs beside them. No kernel
+     * runs yet, so the device-wide wait is safe here. */
+    if (m->gpu && cudaDeviceSynchronize() != cudaSuccess)
+        return 1;
     return !b->out || !b->pout;
 }
 
