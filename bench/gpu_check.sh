@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine checks and measures, in one call. Expects the binaries built
 # by bench/gpu_build.sh in .gpu/ (carried with the call). Full logs go to $OUT.
-# Usage: bench/gpu_check.sh [all|test|san|bench|sweep|nodes|variants|python|mpi|stress]...  (several modes run in order;
+# Usage: bench/gpu_check.sh [all|test|san|bench|sweep|nodes|variants|python|mpi|stress|firstcall]...  (several modes run in order;
 #   BENCH_ARGS adds options to every bench; SWEEP_SMS the SM counts of `sweep`)
 #   test: the GPU tests; san: compute-sanitizer memcheck and racecheck on small cases (SAN_BINS
 #     the binaries, default test_gpu_ep test_gpu_train; SAN_LIMIT seconds a run, 150;
@@ -25,6 +25,11 @@
 #     speed-of-light, memory, warp-state and scheduler sections (not part of `all`: name it)
 #   nodesms: the 2 x 4 and 4 x 2 benches (BF16) at NODE_SMS (8 12 16) SMs per rank: how the
 #     loopback NIC's copies fare with more SMs left free (not part of `all`: name it)
+#   firstcall: FIRSTCALL_RUNS (12) fresh processes of one test_gpu_train case (FIRSTCALL_FILTER,
+#     'handles_interleaved*'), HEP_TIMEOUT_MS=FIRSTCALL_TIMEOUT_MS (3000), HEP_LOG_LEVEL=debug;
+#     for every run whose first call timed out, each rank's first dispatch launch times (a
+#     late host launch, a launch call that blocked, a kernel the GPU started late) (not part
+#     of `all`: name it; the failing runs' logs in $OUT/firstcall.txt)
 #   GPU_DIR: the build to run (.gpu; e.g. .gpu/ring for a second build carried beside it)
 #   TEST_FILTER: a cmocka pattern (e.g. '*huge_timeout*') for the test_gpu_ep cases `test`
 #     runs; TRAIN_TEST_FILTER the same for test_gpu_train
@@ -192,4 +197,32 @@ if named stress; then
     done
   } > "$OUT/stress.txt" 2>&1
   grep -E "^===|^stress|exit|FAILED|timed out|SUMMARY|differ" "$OUT/stress.txt" | tail -30
+fi
+if named firstcall; then
+  # the first call of a fresh process, again and again: for every run whose first call timed
+  # out, each rank's first dispatch launch ("launching" / "launched", HEP_LOG_LEVEL=debug)
+  # relative to the earliest rank's
+  export HEP_LOG_LEVEL=debug HEP_TIMEOUT_MS=${FIRSTCALL_TIMEOUT_MS:-3000}
+  runs=${FIRSTCALL_RUNS:-12} filter=${FIRSTCALL_FILTER:-handles_interleaved*} failed=0
+  for i in $(seq 1 "$runs"); do
+    log=/tmp/hep_firstcall_run.txt
+    HEP_GPU_TEST_FILTER=$filter timeout 60 "$B/test_gpu_train" > "$log" 2>&1
+    rc=$?
+    if grep -q "timed out" "$log" || [ $rc != 0 ]; then
+      failed=$((failed + 1))
+      echo "run $i: exit $rc, the first call timed out:"
+      grep -m2 "timed out" "$log" | cut -c1-220
+      # each rank's first dispatch: "launching" and "launched" lines, relative to the earliest
+      awk '/debug: rank [0-9]+: dispatch call 1: kernel (launching|launched)/ {
+             r = $4; sub(":", "", r); t = $(NF - 1) + 0
+             if ($9 == "launching" && !(r in a)) a[r] = t
+             if ($9 == "launched" && !(r in d)) d[r] = t
+             if (!n++ || t < t0) t0 = t
+           }
+           END { for (r in a) printf "  rank %s: launching at +%.3f ms, launched at +%.3f ms\n",
+                                     r, a[r] - t0, (r in d ? d[r] : a[r]) - t0 }' "$log" | sort -k2n
+      { echo "=== run $i, exit $rc"; cat "$log"; } >> "$OUT/firstcall.txt"
+    fi
+  done
+  echo "first call of a fresh process ($filter, HEP_TIMEOUT_MS=$HEP_TIMEOUT_MS): $failed of $runs runs timed out"
 fi
