@@ -203,7 +203,7 @@ if named firstcall; then
   # out, each rank's first dispatch launch ("launching" / "launched", HEP_LOG_LEVEL=debug)
   # relative to the earliest rank's
   export HEP_LOG_LEVEL=debug HEP_TIMEOUT_MS=${FIRSTCALL_TIMEOUT_MS:-3000}
-  runs=${FIRSTCALL_RUNS:-12} filter=${FIRSTCALL_FILTER:-handles_interleaved*} failed=0
+  runs=${FIRSTCALL_RUNS:-12} filter=${FIRSTCALL_FILTER:-handles_interleaved*} failed=0 ran=0
   for i in $(seq 1 "$runs"); do
     log=/tmp/hep_firstcall_run.txt
     HEP_GPU_TEST_FILTER=$filter timeout 60 "$B/test_gpu_train" > "$log" 2>&1
@@ -212,6 +212,7 @@ if named firstcall; then
       echo "firstcall: test_gpu_train skipped (exit 77: $(tail -1 "$log" | cut -c1-160))"
       break
     fi
+    ran=$i
     if grep -q "timed out" "$log" || [ $rc != 0 ]; then
       failed=$((failed + 1))
       if grep -q "timed out" "$log"; then
@@ -233,5 +234,5 @@ if named firstcall; then
       { echo "=== run $i, exit $rc"; cat "$log"; } >> "$OUT/firstcall.txt"
     fi
   done
-  echo "first call of a fresh process ($filter, HEP_TIMEOUT_MS=$HEP_TIMEOUT_MS): $failed of $runs runs failed"
+  echo "first call of a fresh process ($filter, HEP_TIMEOUT_MS=$HEP_TIMEOUT_MS): $failed of $ran runs failed"
 fi
