@@ -612,8 +612,6 @@ static int agree_capacity(hep_backend_ctx *g, void *stream, int rc)
     }
 }
 
-/* The GPU dispatch. x: the options (NULL: none); h: the caller handle to record into or,
- * with HEP_REUSE_LAYOUT, to read (NULL: the one-shot layout in the group's buffers). */
 /* HEP_LOG_LEVEL=debug: when each rank's kernel of a call was handed to CUDA (monotonic ms,
  * the stream), so that a timeout naming a rank that "did not arrive" can be told apart into
  * a launch that came late (the host thread held up) and a launched kernel that the GPU
@@ -626,6 +624,8 @@ static void launch_log(const hep_backend_ctx *g, const char *phase, unsigned lon
                 g->rank, phase, call, done ? "launched" : "launching", stream, hep_now_ms());
 }
 
+/* The GPU dispatch. x: the options (NULL: none); h: the caller handle to record into or,
+ * with HEP_REUSE_LAYOUT, to read (NULL: the one-shot layout in the group's buffers). */
 static int gpu_dispatch(hep_backend_ctx *g, const hep_dispatch_args *a, hep_dispatch_opts *x,
                         hep_handle *h, hep_dispatch_result *o)
 {
