@@ -66,12 +66,6 @@ static void use_layout(hep_backend_ctx *g, const hep_handle *h)
 static int gpu_setup(hep_backend_ctx *g)
 {
     hep_kargs *k;
-    {
-        int e = hep_kernels_preload();
-        if (e)
-            return hep_fail(HEP_ERR_CUDA, "loading the dispatch/combine kernels on GPU %d: %s",
-                            g->device, cudaGetErrorString((cudaError_t)e));
-    }
     if (g->N > 1) {
         cudaEvent_t ev = NULL;
         cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
@@ -165,6 +159,15 @@ static int gpu_setup(hep_backend_ctx *g)
         k->em_soff = g->plan->buf[HEP_BUF_EM_SCALE].present
                          ? (long long)g->plan->buf[HEP_BUF_EM_SCALE].offset - x0
                          : 0;
+    }
+    { /* every kernel's first launch now, before any call (kernels/probe.cu says why) */
+        int e = hep_kernels_warm(k);
+        if (e) {
+            (void)cudaGetLastError();
+            return hep_fail(HEP_ERR_CUDA, "group: the first launch of the dispatch/combine "
+                            "kernels on GPU %d failed: %s", g->device,
+                            cudaGetErrorString((cudaError_t)e));
+        }
     }
     return HEP_OK;
 }

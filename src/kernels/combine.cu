@@ -825,6 +825,8 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
 template <bool EM, bool NODES, bool WHOLE>
 __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
 {
+    if (a.warm)
+        return;
     static_assert(NODES || !WHOLE, "WHOLE is an across-nodes instance");
     const int R = a.R, N = a.N, tid = threadIdx.x, S = gridDim.x, b = blockIdx.x;
     const int lane = tid & 31, warp = tid >> 5, wpb = blockDim.x >> 5;
@@ -920,6 +922,8 @@ __device__ __forceinline__ bool mates_done_reading(const hep_kargs &a)
 // previous combine (COMBINE_DONE; at once unless two combines follow each other).
 __global__ void k_copy_in(hep_kargs a)
 {
+    if (a.warm)
+        return;
     const size_t rb = (size_t)a.H * 2, nvec = rb / 16;
     const size_t rows = (size_t)*a.recv_count, total = rows * nvec;
     const uint4 *src = (const uint4 *)a.combine_in;
@@ -944,6 +948,8 @@ __global__ void k_copy_in(hep_kargs a)
 // buffers (after the dispatch kernel on the stream).
 __global__ void k_copy_out(hep_kargs a)
 {
+    if (a.warm)
+        return;
     const size_t rows = (size_t)*a.recv_count;
     const size_t step = (size_t)gridDim.x * blockDim.x;
     const size_t first = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -971,6 +977,8 @@ __global__ void k_copy_out(hep_kargs a)
 // copied into its caller memory; nothing when the layout exceeded the receive capacity.
 __global__ void k_em_stage_out(hep_kargs a)
 {
+    if (a.warm)
+        return;
     if (a.cap && ld_l2(a.over))
         return;
     const size_t rows = (size_t)ld_l2(a.em + HEP_EM_NUM_PERMUTED);
@@ -998,6 +1006,8 @@ __global__ void k_em_stage_out(hep_kargs a)
 // (COMBINE_DONE >= the previous count; the dispatch rows it held were copied out already).
 __global__ void k_em_stage_in(hep_kargs a)
 {
+    if (a.warm)
+        return;
     if (ld_l2(a.over)) /* the layout exceeded the capacity: no combine (every rank alike) */
         return;
     const size_t rb = (size_t)a.H * 2, nvec = rb / 16;
@@ -1057,27 +1067,23 @@ extern "C" int hep_launch_copy_out(const hep_kargs *a, int blocks, void *stream)
     return launch_copy(k_copy_out, a, blocks, stream);
 }
 
-extern "C" int hep_preload_combine(void)
+// Every instance and copy kernel once, one block that returns at once (kernels/probe.cu
+// says why). The combine's instance follows emajor, N and whole = (P x C >= T).
+extern "C" int hep_warm_combine(const hep_kargs *a, void *stream)
 {
-    cudaFuncAttributes fa;
-    cudaError_t e = cudaFuncGetAttributes(&fa, (const void *)k_combine<false, false, false>);
-    if (e == cudaSuccess)
-        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<false, true, false>);
-    if (e == cudaSuccess)
-        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<false, true, true>);
-    if (e == cudaSuccess)
-        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<true, false, false>);
-    if (e == cudaSuccess)
-        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<true, true, false>);
-    if (e == cudaSuccess)
-        e = cudaFuncGetAttributes(&fa, (const void *)k_combine<true, true, true>);
-    if (e == cudaSuccess)
-        e = cudaFuncGetAttributes(&fa, (const void *)k_copy_in);
-    if (e == cudaSuccess)
-        e = cudaFuncGetAttributes(&fa, (const void *)k_copy_out);
-    if (e == cudaSuccess)
-        e = cudaFuncGetAttributes(&fa, (const void *)k_em_stage_out);
-    if (e == cudaSuccess)
-        e = cudaFuncGetAttributes(&fa, (const void *)k_em_stage_in);
-    return (int)e;
+    static int (*const copies[])(const hep_kargs *, int, void *) = {
+        hep_launch_copy_in, hep_launch_copy_out, hep_launch_em_stage_out, hep_launch_em_stage_in};
+    hep_kargs w = *a;
+    int e = 0;
+    w.warm = 1;
+    w.P = 1;
+    for (int i = 0; i < 6 && e == 0; i++) { /* one node; nodes, wrapping; nodes, whole */
+        w.emajor = i & 1;
+        w.N = i < 2 ? 1 : 2;
+        w.C = i < 4 ? 0 : w.T;
+        e = hep_launch_combine(&w, 1, stream);
+    }
+    for (int i = 0; i < 4 && e == 0; i++)
+        e = copies[i](&w, 1, stream);
+    return e;
 }

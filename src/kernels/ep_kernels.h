@@ -296,6 +296,7 @@ typedef struct hep_kargs {
      * scales, 0: none) in place of the pointers published in HEP_FLAG_EM_*. 0: as before. */
     int em_stage;
     long long em_xoff, em_poff, em_soff;
+    int warm; /* 1: the warm-up launch of group creation (hep_kernels_warm): return at once */
 } hep_kargs;
 
 #ifdef __cplusplus
@@ -322,8 +323,10 @@ int hep_launch_copy_out(const hep_kargs *a, int blocks, void *stream);
 /* N > 1: pack this rank's tokens into the send staging of each node that needs them and
  * publish each block's rows to the proxy (runs before hep_launch_dispatch). */
 int hep_launch_node_pack(const hep_kargs *a, int blocks, void *stream);
-/* Load every kernel now (lazy loading inside co-dependent kernels can deadlock). */
-int hep_kernels_preload(void);
+/* Launch every kernel instance once with a.warm set (each returns at once) and wait for
+ * them: a kernel's first launch can start only after the kernels already running
+ * (kernels/probe.cu). Group creation, before any call. */
+int hep_kernels_warm(const hep_kargs *a);
 /* Bytes of dynamic shared memory the dispatch kernel needs for R ranks, El experts. */
 size_t hep_dispatch_smem(int R, int El);
 /* Bytes of dynamic shared memory the inter-node pack kernel needs (N nodes). */

@@ -97,6 +97,8 @@ __device__ void em_rebase_places(const hep_kargs &a, int t0, int t1, int *pre)
 
 __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
 {
+    if (a.warm)
+        return;
     extern __shared__ int ncnt[]; // [N][R][El + 1]: the count block of each node's slot
     const int N = a.N, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int R = a.R, El = a.El, CBI = R * (El + 1), NR = N * R, RE = R * El;
@@ -251,8 +253,10 @@ extern "C" int hep_launch_node_pack(const hep_kargs *a, int blocks, void *stream
     return (int)cudaGetLastError();
 }
 
-extern "C" int hep_preload_node_pack(void)
+// One block that returns at once (kernels/probe.cu says why).
+extern "C" int hep_warm_node_pack(const hep_kargs *a, void *stream)
 {
-    cudaFuncAttributes fa;
-    return (int)cudaFuncGetAttributes(&fa, (const void *)k_node_pack);
+    hep_kargs w = *a;
+    w.warm = 1;
+    return hep_launch_node_pack(&w, 1, stream);
 }

@@ -42,19 +42,24 @@ extern "C" int hep_kernels_probe(int device, char *why, size_t why_len)
     return 0;
 }
 
-extern "C" int hep_preload_dispatch(void);
-extern "C" int hep_preload_combine(void);
-extern "C" int hep_preload_node_pack(void);
+extern "C" int hep_warm_dispatch(const hep_kargs *a, void *stream);
+extern "C" int hep_warm_combine(const hep_kargs *a, void *stream);
+extern "C" int hep_warm_node_pack(const hep_kargs *a, void *stream);
 
-// With lazy module loading (the CUDA 12+ default) a kernel's first launch loads it, and the
-// load can wait for the kernels already running: when those spin for this very kernel,
-// that is a deadlock. Group creation loads every kernel up front.
-extern "C" int hep_kernels_preload(void)
+// A kernel's first launch in a process does more than later ones: with lazy module
+// loading (the CUDA 12+ default) it loads the kernel, and that load can wait for the
+// kernels already running; the GPU can also start it only after them. Either way, when
+// those kernels spin waiting for this one (a node-mate's first call), they give up
+// (HEP_TIMEOUT_MS) before it starts. Group creation therefore launches every kernel
+// instance once, before any rank's first call, on the legacy stream, and waits for them.
+extern "C" int hep_kernels_warm(const hep_kargs *a)
 {
-    int e = hep_preload_dispatch();
+    int e = hep_warm_dispatch(a, cudaStreamLegacy);
     if (e == 0)
-        e = hep_preload_combine();
+        e = hep_warm_combine(a, cudaStreamLegacy);
     if (e == 0)
-        e = hep_preload_node_pack();
+        e = hep_warm_node_pack(a, cudaStreamLegacy);
+    if (e == 0)
+        e = (int)cudaStreamSynchronize(cudaStreamLegacy);
     return e;
 }
