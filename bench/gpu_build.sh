@@ -14,4 +14,7 @@ cp build/gpu/tools/hybridep build/gpu/tests/test_gpu_ep build/gpu/tests/test_gpu
 cp -L build/gpu/src/libhybridep.so.0.1 .gpu/lib/
 cp -L build/gpu/src/libhybridep.so.0.1 .gpu/src/libhybridep.so
 cp -L "$(ldconfig -p | awk '/libcmocka.so.0 /{print $NF; exit}')" .gpu/lib/
+# the first-launch experiment of bench/gpu_check.sh firstlaunch (not part of the library)
+"${CUDACXX:-/usr/local/cuda/bin/nvcc}" -O2 -gencode=arch=compute_90,code=sm_90 \
+  -o .gpu/first_launch bench/first_launch.cu
 du -sh .gpu
