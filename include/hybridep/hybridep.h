@@ -326,7 +326,11 @@ typedef struct hep_handle hep_handle;
 
 /* A handle for dispatches and combines of g. It holds no layout until a dispatch given it
  * records one; it does not need g to be alive to be destroyed, and it is refused (never
- * misread) by any other group. 0, or HEP_ERR_INVALID (NULL), HEP_ERR_NOMEM. */
+ * misread) by any other group. 0, or HEP_ERR_INVALID (NULL), HEP_ERR_NOMEM. With the GPU
+ * backend creating and destroying a handle allocate, clear and free device memory, which
+ * CUDA orders against the device's other work (cudaFree waits for it): with virtual ranks
+ * sharing one GPU in one process, do it while no node-mate's call is in flight (a kernel
+ * waiting for this rank would wait for it). One process per GPU is not affected. */
 int hep_handle_create(hep_group *g, hep_handle **out);
 /* Frees h (NULL is accepted). Not collective; g may be destroyed before. */
 void hep_handle_destroy(hep_handle *h);

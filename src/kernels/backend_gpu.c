@@ -849,8 +849,13 @@ static int handle_device(const hep_backend_ctx *g, struct hep_handle *h)
         e = cudaSetDevice(g->device);
     if (e == cudaSuccess)
         e = cudaMalloc(&h->dev, bytes);
+    /* cleared on the legacy stream and waited for here: cudaMemset of device memory returns
+     * before it is done, and a first dispatch on a non-blocking stream is not ordered after
+     * it (the legacy stream waits for blocking streams only, so not for the kernels) */
     if (e == cudaSuccess)
         e = cudaMemset(h->dev, 0, bytes);
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize(cudaStreamLegacy);
     if (prev >= 0 && prev != g->device)
         (void)cudaSetDevice(prev); /* the caller's device back, whatever happened */
     if (e != cudaSuccess) {
