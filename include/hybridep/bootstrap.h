@@ -55,7 +55,9 @@ void hep_inproc_world_destroy(hep_inproc_world *world);
  * new stream takes the next one in turn, whichever streams were destroyed meanwhile: streams
  * made and destroyed per group soon share a queue with a live rank's, and a rank's kernel
  * then waits behind one that waits for it, until the timeout. Made once per rank, they take
- * their queues once (the loopback NIC keeps its copy streams in the same table).
+ * their queues once (the loopback NIC keeps its copy streams in the same table). A new
+ * stream runs one empty kernel, waited for, before it is handed out, so that a rank's
+ * first call is not its stream's first work (bench/RESULTS.md, 2026-12-02).
  *
  * The calling thread's current device is as before the call. Returns 0, or, with
  * hep_last_error() set: HEP_ERR_INVALID (stream NULL, rank out of range, no such device),

@@ -9,6 +9,7 @@
 
 #include "bootstrap/stream.h"
 #include "core/core.h"
+#include "kernels/kernels.h"
 
 static struct {
     pthread_mutex_t lock;
@@ -68,6 +69,11 @@ static int make_stream(int device, const char *who, cudaStream_t *s)
     if (e != cudaSuccess) {
         *s = NULL;
         rc = cuda_fail(e, who, device, "cudaStreamCreateWithFlags");
+    } else if ((e = (cudaError_t)hep_stream_touch(*s)) != cudaSuccess) {
+        /* its first kernel now, while nothing waits for it (bench/RESULTS.md, 2026-12-02) */
+        (void)cudaStreamDestroy(*s);
+        *s = NULL;
+        rc = cuda_fail(e, who, device, "the stream's first kernel");
     }
     if (prev != device && (e = cudaSetDevice(prev)) != cudaSuccess && rc == HEP_OK)
         rc = cuda_fail(e, who, device, "cudaSetDevice back to the caller's device");

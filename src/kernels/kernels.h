@@ -13,6 +13,11 @@ extern "C" {
  * there, else -1 with the reason in why. */
 int hep_kernels_probe(int device, char *why, size_t why_len);
 
+/* One empty kernel on `stream` (a cudaStream_t of the current device), waited for: a new
+ * stream's first kernel then runs before the stream is handed out (bootstrap/stream.c). 0
+ * or a cudaError_t. */
+int hep_stream_touch(void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -11,6 +11,17 @@ __global__ void hep_probe_kernel(unsigned *out, unsigned seed)
     atomicAdd(out, v & 1u);
 }
 
+__global__ void hep_touch_kernel() {}
+
+extern "C" int hep_stream_touch(void *stream)
+{
+    hep_touch_kernel<<<1, 32, 0, (cudaStream_t)stream>>>();
+    cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize((cudaStream_t)stream);
+    return (int)e;
+}
+
 extern "C" int hep_kernels_probe(int device, char *why, size_t why_len)
 {
     unsigned *d = nullptr, h = 0, expect = 0;
