@@ -10,6 +10,9 @@
 //   preloaded: k_other was only loaded (cudaFuncGetAttributes), never launched
 //   cold:      k_other neither loaded nor launched
 //   none:      no k_other at all
+//   newstream: no k_other; k_set goes on a stream made at the start and never used before
+//   smem_preloaded, smem_warm: as preloaded and warm, k_other with 100 KB of dynamic
+//              shared memory (its attribute set before k_spin's launch in both)
 // k_set is launched once before the test in every mode. Prints whether k_spin saw the flag
 // and how long it waited. Build: nvcc -O2 -gencode=arch=compute_90,code=sm_90 -o
 // first_launch bench/first_launch.cu; run: first_launch MODE.
@@ -53,37 +56,49 @@ __global__ void k_set(volatile int *flag)
 
 __global__ void k_other(int *x)
 {
-    if (x)
-        x[threadIdx.x] += 1;
+    extern __shared__ int sh[];
+    if (x) {
+        sh[threadIdx.x] = x[threadIdx.x];
+        x[threadIdx.x] = sh[threadIdx.x ^ 1] + 1;
+    }
 }
 
 int main(int argc, char **argv)
 {
     const char *mode = argc > 1 ? argv[1] : "cold";
-    if (strcmp(mode, "warm") && strcmp(mode, "preloaded") && strcmp(mode, "cold") &&
-        strcmp(mode, "none")) {
-        fprintf(stderr, "usage: first_launch warm|preloaded|cold|none\n");
+    const bool big = !strncmp(mode, "smem_", 5);
+    const char *m = big ? mode + 5 : mode;
+    const size_t smem = big ? 100 * 1024 : 0;
+    const bool fresh = !strcmp(m, "newstream");
+    if ((strcmp(m, "warm") && strcmp(m, "preloaded") && strcmp(m, "cold") &&
+         strcmp(m, "none") && !fresh) || (big && strcmp(m, "warm") && strcmp(m, "preloaded"))) {
+        fprintf(stderr, "usage: first_launch warm|preloaded|cold|none|newstream|smem_warm|"
+                        "smem_preloaded\n");
         return 2;
     }
     int *flag = NULL;
     unsigned long long *out = NULL, h[2] = {0, 0};
-    cudaStream_t a, b;
+    cudaStream_t a, b, c;
     CK(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking));
     CK(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking));
+    CK(cudaStreamCreateWithFlags(&c, cudaStreamNonBlocking));
     CK(cudaMalloc(&flag, sizeof(int)));
     CK(cudaMalloc(&out, sizeof(h)));
-    k_set<<<1, 32, 0, b>>>(NULL); /* k_set is warm in every mode */
-    if (!strcmp(mode, "warm"))
-        k_other<<<1, 32, 0, b>>>(NULL);
-    if (!strcmp(mode, "preloaded")) {
+    k_set<<<1, 32, 0, fresh ? c : b>>>(NULL); /* k_set is warm in every mode */
+    if (big)
+        CK(cudaFuncSetAttribute(k_other, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                (int)smem));
+    if (!strcmp(m, "warm"))
+        k_other<<<1, 32, smem, b>>>(NULL);
+    if (!strcmp(m, "preloaded")) {
         cudaFuncAttributes fa;
         CK(cudaFuncGetAttributes(&fa, (const void *)k_other));
     }
     CK(cudaMemset(flag, 0, sizeof(int)));
     CK(cudaDeviceSynchronize());
     k_spin<<<1, 32, 0, a>>>(flag, 2000000000ull, out);
-    if (strcmp(mode, "none"))
-        k_other<<<1, 32, 0, a>>>(NULL);
+    if (strcmp(m, "none") && !fresh)
+        k_other<<<1, 32, smem, a>>>(NULL);
     k_set<<<1, 32, 0, b>>>(flag);
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());

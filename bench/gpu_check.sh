@@ -31,7 +31,7 @@
 #     late host launch, a launch call that blocked, a kernel the GPU started late) (not part
 #     of `all`: name it; the failing runs' logs in $OUT/firstcall.txt)
 #   firstlaunch: bench/first_launch.cu, FIRSTLAUNCH_RUNS (8) fresh processes of each mode
-#     (warm, preloaded, cold, none): does a kernel's first launch hold back work launched
+#     (warm, preloaded, cold, none, newstream, smem_warm, smem_preloaded): does a kernel's first launch hold back work launched
 #     after it on other streams until the running kernels end (not part of `all`: name it)
 #   GPU_DIR: the build to run (.gpu; e.g. .gpu/ring for a second build carried beside it)
 #   TEST_FILTER: a cmocka pattern (e.g. '*huge_timeout*') for the test_gpu_ep cases `test`
@@ -240,7 +240,7 @@ if named firstcall; then
   echo "first call of a fresh process ($filter, HEP_TIMEOUT_MS=$HEP_TIMEOUT_MS): $failed of $ran runs failed"
 fi
 if named firstlaunch; then
-  for mode in warm preloaded cold none; do
+  for mode in warm preloaded cold none newstream smem_warm smem_preloaded; do
     seen=0
     for i in $(seq 1 "${FIRSTLAUNCH_RUNS:-8}"); do
       "$B/first_launch" $mode >> "$OUT/firstlaunch.txt" 2>&1 && seen=$((seen + 1))
