@@ -517,6 +517,31 @@ static void gpu_many_nodes_beyond_one_warp_match_host_backend(void **state)
     }
 }
 
+/* As many virtual nodes as one GPU holds: 16 co-dependent ranks (each rank's stream and its
+ * loopback NIC's copy stream take the GPU's 32 hardware queues), 96 of the SMs for the
+ * kernels so that the NICs' copies have some. 16 x 1 and 8 x 2, small shapes. */
+static void gpu_sixteen_virtual_nodes_on_one_gpu_match_host_backend(void **state)
+{
+    unsigned seed = fresh_seed() ^ 0x68e31da4u;
+    (void)state;
+    if (!have_gpu())
+        skip();
+    if (small_only()) {
+        print_message("skipped: 16 virtual ranks with their proxies are too slow under "
+                      "compute-sanitizer (HEP_GPU_TEST_SMALL=1)\n");
+        skip();
+    }
+    print_message("fresh seed %u\n", seed);
+    setenv("HEP_GPU_MR_MODE", "dmabuf", 1);
+    hep_env_reload();
+    g_opts.ranks_per_gpu = 16;
+    gpu_case(16, 1, HEP_DTYPE_BF16, EP_ROUTE_NODES, 0, 0, -1, seed, 256, 32, HEP_CHUNK_DEFAULT);
+    gpu_case(8, 2, HEP_DTYPE_FP8_E4M3, EP_ROUTE_NODES, 1, 0, 1, seed + 1, 512, 48, 3);
+    g_opts.ranks_per_gpu = 0;
+    unsetenv("HEP_GPU_MR_MODE");
+    hep_env_reload();
+}
+
 static void gpu_graph_replay_gives_the_eager_results(void **state)
 {
     static ep_case c;
@@ -1168,6 +1193,7 @@ int main(void)
         cmocka_unit_test(gpu_virtual_nodes_match_host_backend_over_loopback_nic_with_dmabuf),
         cmocka_unit_test(gpu_virtual_nodes_rings_of_chunks_match_host_backend),
         cmocka_unit_test(gpu_many_nodes_beyond_one_warp_match_host_backend),
+        cmocka_unit_test(gpu_sixteen_virtual_nodes_on_one_gpu_match_host_backend),
         cmocka_unit_test(gpu_graph_replay_gives_the_eager_results),
         cmocka_unit_test(gpu_dispatch_times_out_naming_the_rank_that_never_called),
         cmocka_unit_test(gpu_virtual_nodes_time_out_naming_the_missing_rank_on_every_rank),
