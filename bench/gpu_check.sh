@@ -204,7 +204,8 @@ fi
 if named firstcall; then
   # the first call of a fresh process, again and again: for every run whose first call timed
   # out, each rank's first dispatch launch ("launching" / "launched", HEP_LOG_LEVEL=debug)
-  # relative to the earliest rank's
+  # relative to the earliest rank's (the settings in a subshell: later modes keep theirs)
+  (
   export HEP_LOG_LEVEL=debug HEP_TIMEOUT_MS=${FIRSTCALL_TIMEOUT_MS:-3000}
   runs=${FIRSTCALL_RUNS:-12} filter=${FIRSTCALL_FILTER:-handles_interleaved*} failed=0 ran=0
   for i in $(seq 1 "$runs"); do
@@ -238,6 +239,7 @@ if named firstcall; then
     fi
   done
   echo "first call of a fresh process ($filter, HEP_TIMEOUT_MS=$HEP_TIMEOUT_MS): $failed of $ran runs failed"
+  )
 fi
 if named firstlaunch; then
   for mode in warm preloaded cold none newstream smem_warm smem_preloaded; do
