@@ -324,7 +324,7 @@ int hep_launch_copy_out(const hep_kargs *a, int blocks, void *stream);
  * publish each block's rows to the proxy (runs before hep_launch_dispatch). */
 int hep_launch_node_pack(const hep_kargs *a, int blocks, void *stream);
 /* Launch every kernel instance once with a.warm set (each returns at once) and wait for
- * them: a kernel's first launch can start only after the kernels already running
+ * them: a kernel's first launch can be held back behind the kernels already running
  * (kernels/probe.cu). Group creation, before any call. */
 int hep_kernels_warm(const hep_kargs *a);
 /* Bytes of dynamic shared memory the dispatch kernel needs for R ranks, El experts. */

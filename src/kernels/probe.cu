@@ -57,11 +57,14 @@ extern "C" int hep_warm_dispatch(const hep_kargs *a, void *stream);
 extern "C" int hep_warm_combine(const hep_kargs *a, void *stream);
 extern "C" int hep_warm_node_pack(const hep_kargs *a, void *stream);
 
-// A kernel's first launch in a process does more than later ones: with lazy module
-// loading (the CUDA 12+ default) it loads the kernel, and that load can wait for the
-// kernels already running; the GPU can also start it only after them. Either way, when
-// those kernels spin waiting for this one (a node-mate's first call), they give up
-// (HEP_TIMEOUT_MS) before it starts. Group creation therefore launches every kernel
+// A kernel's first launch in a process does more than later ones. With lazy module loading
+// (the CUDA 12+ default) it loads the kernel, and the load waits for the kernels already
+// running (bench/first_launch.cu, mode cold): when those spin waiting for a node-mate's
+// first call, they give up (HEP_TIMEOUT_MS) before it starts. With every kernel loaded, a
+// group's first call in a fresh process still timed out now and then, a node-mate's kernel
+// starting only after the others gave up; less often once every kernel had run once, not
+// at all in 100 processes with the kept streams' first kernels as well (bench/RESULTS.md,
+// 2026-12-02; the cause is not known). Group creation therefore launches every kernel
 // instance once, before any rank's first call, on the legacy stream, and waits for them.
 extern "C" int hep_kernels_warm(const hep_kargs *a)
 {
