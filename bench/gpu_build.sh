@@ -3,8 +3,12 @@
 # library the GPU machine lacks (cmocka), so the device call carries a ready build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# GPU_BUILD_DEFS: compile definitions of the whole build, host and kernels (a tuning build
+# of another HEP_RING_DEPTH, e.g. GPU_BUILD_DEFS="HEP_RING_DEPTH=4"; move .gpu aside after)
+defs=${GPU_BUILD_DEFS:-}
 cmake -S . -B build/gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHEP_CUDA_ARCHS=90 -DHEP_WITH_MPI=OFF \
-  -DBUILD_TESTING=ON >/dev/null
+  -DBUILD_TESTING=ON -DCMAKE_C_FLAGS="${defs:+-D${defs// / -D}}" \
+  -DCMAKE_CUDA_FLAGS="${defs:+-D${defs// / -D}}" >/dev/null
 cmake --build build/gpu -j"$(nproc)" --target hybridep_cli hybridep test_gpu_ep test_gpu_train stress_internode >/dev/null
 rm -rf .gpu && mkdir -p .gpu/lib .gpu/src
 cp build/gpu/tools/hybridep build/gpu/tests/test_gpu_ep build/gpu/tests/test_gpu_train \

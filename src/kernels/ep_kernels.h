@@ -122,7 +122,9 @@
  *    of the chunk in position p (it also is that chunk's ready word for the proxy);
  *    receiver side, word B + N + s: the source of the credit for slot s (the chunks freed).
  * Values carry the call e above 24 bits (T / C < 2^24 chunks), so they grow across calls. */
+#ifndef HEP_RING_DEPTH /* positions of a ring, at most (a tuning build may set another) */
 #define HEP_RING_DEPTH 2
+#endif
 #define HEP_RING_VAL(e, k) (((unsigned long long)(e) << 24) | (unsigned long long)(k))
 #define HEP_RING_WORD(N, cb) (3 * (N) + (N) * (cb))
 #define HEP_RING_SRC_WORD(N, cb, x, p, P) (HEP_RING_WORD(N, cb) + (N) + (x) * (P) + (p))
