@@ -173,9 +173,9 @@ __device__ __forceinline__ bool wait_geq(const hep_kargs &a, const unsigned long
     return wait_geq_s(a, flag, expect, stage, peer, 1, NULL, true);
 }
 
-// A wait on node-mate `mate`'s flag word
-
-// A word that the NIC or the proxy writes (the other nodes' slots): system scope.: names whom that mate was stuck on, if it was.
+// A wait on node-mate `mate`'s flag word: on a timeout the record names whom that mate was
+// stuck on, if it was (its blame word). The acquire is of system scope where node-mates
+// are on other GPUs (peers_sys), else of device scope.
 __device__ __forceinline__ bool wait_mate(const hep_kargs &a, const unsigned long long *flag,
                                           unsigned long long expect, int stage, int mate)
 {
