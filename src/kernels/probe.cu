@@ -55,6 +55,7 @@ extern "C" int hep_kernels_probe(int device, char *why, size_t why_len)
 
 extern "C" int hep_warm_dispatch(const hep_kargs *a, void *stream);
 extern "C" int hep_warm_combine(const hep_kargs *a, void *stream);
+extern "C" int hep_warm_copies(const hep_kargs *a, void *stream);
 extern "C" int hep_warm_node_pack(const hep_kargs *a, void *stream);
 
 // A kernel's first launch in a process does more than later ones. With lazy module loading
@@ -71,6 +72,8 @@ extern "C" int hep_kernels_warm(const hep_kargs *a)
     int e = hep_warm_dispatch(a, cudaStreamLegacy);
     if (e == 0)
         e = hep_warm_combine(a, cudaStreamLegacy);
+    if (e == 0)
+        e = hep_warm_copies(a, cudaStreamLegacy);
     if (e == 0)
         e = hep_warm_node_pack(a, cudaStreamLegacy);
     if (e == 0)
