@@ -15,17 +15,11 @@ template <int CU>
 __device__ __forceinline__ void em_sum_rows(const char *src, int n, size_t rb, uint4 *out)
 {
     const int lane = threadIdx.x & 31;
-    const int nvec = (int)(rb / 16);
-    const int passes = (nvec + 32 * CU - 1) / (32 * CU);
-    const int per_pass = ((nvec + passes - 1) / passes + 31) & ~31;
+    const int nvec = (int)(rb / 16), per_pass = row_pass<CU>(nvec);
     for (int v0 = 0; v0 < nvec; v0 += per_pass) {
         const int v1 = min(nvec, v0 + per_pass);
         float f[CU][8];
-#pragma unroll
-        for (int u = 0; u < CU; u++)
-#pragma unroll
-            for (int q = 0; q < 8; q++)
-                f[u][q] = -0.0f;
+        zero_acc<CU>(f);
         for (int j = 0; j < n; j += 2) {
             const uint4 *p0 = (const uint4 *)__shfl_sync(FULL, (unsigned long long)src, j);
             const uint4 *p1 = (const uint4 *)__shfl_sync(FULL, (unsigned long long)src, j + 1);

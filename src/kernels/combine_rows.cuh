@@ -26,6 +26,24 @@ __device__ __forceinline__ uint4 pack8(const float *f)
     return v;
 }
 
+// A row of nvec 16-byte vectors cut into equal passes of at most 32 x CU vectors a warp
+// (a 14 KB row is two passes of 448, not 512 + 384): the vectors of one pass.
+template <int CU> __device__ __forceinline__ int row_pass(int nvec)
+{
+    const int passes = (nvec + 32 * CU - 1) / (32 * CU);
+    return ((nvec + passes - 1) / passes + 31) & ~31;
+}
+
+// f = -0.0 in every lane: the identity of addition (+0 would turn -0 into +0).
+template <int CU> __device__ __forceinline__ void zero_acc(float (&f)[CU][8])
+{
+#pragma unroll
+    for (int u = 0; u < CU; u++)
+#pragma unroll
+        for (int q = 0; q < 8; q++)
+            f[u][q] = -0.0f;
+}
+
 // The rows one warp sums for a token: destination d's row (lane d holds it, -1 if none) in
 // ascending local rank, then each other node's partial sum (lane M holds its position in
 // slot M's rows, -1 if none) in ascending node. With N > 32 nodes (WIDE) npos and nmask
@@ -45,17 +63,11 @@ __device__ __forceinline__ void sum_rows(const hep_kargs &a, const row_set &rs,
                                          size_t rb, size_t ST, uint4 *out, const int *np, int nn)
 {
     const int lane = threadIdx.x & 31;
-    const int nvec = (int)(rb / 16);
-    const int passes = (nvec + 32 * CU - 1) / (32 * CU);
-    const int per_pass = ((nvec + passes - 1) / passes + 31) & ~31;
+    const int nvec = (int)(rb / 16), per_pass = row_pass<CU>(nvec);
     for (int v0 = 0; v0 < nvec; v0 += per_pass) {
         const int v1 = min(nvec, v0 + per_pass);
         float f[CU][8];
-#pragma unroll
-        for (int u = 0; u < CU; u++)
-#pragma unroll
-            for (int q = 0; q < 8; q++)
-                f[u][q] = -0.0f; /* the identity of addition (+0 would turn -0 into +0) */
+        zero_acc<CU>(f);
         for (unsigned m = rs.mask; m;) {
             const uint4 *src[CD];
             int n = 0;
