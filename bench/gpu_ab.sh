@@ -4,7 +4,8 @@
 # the GPU's state drifts over all of them alike. Prints one table row per (build, bench).
 # AB_VARIANTS: the variant names (default: every .gpu/var/* without "trace" in its name);
 # AB_SWEEP1: the one-rank SM counts (16,132). A name may also be a whole second build carried
-# as .gpu/<name> (bench/gpu_build.sh of another branch, its library in .gpu/<name>/lib).
+# as .gpu/<name> (bench/gpu_build.sh of another branch, its library in .gpu/<name>/lib), or
+# env:VAR=value, the main build run with that setting (e.g. env:HEP_DISPATCH_STORES=plain).
 # AB_SET=nodes runs the 2 x 4 and 4 x 2 loopback benches instead (BF16, --sms 8 and 12 (16 leaves
 # the loopback copies 4 free SMs: 2-3x slower, noise), and
 # AB_NODE_ARGS, default "--chunk 0", more sets separated by ';' (e.g. "--chunk 0;--chunk 2048"),
@@ -17,8 +18,9 @@ export LD_LIBRARY_PATH=$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}
 node_args=${AB_NODE_ARGS-"--chunk 0"}
 names=${AB_VARIANTS:-$(ls .gpu/var 2>/dev/null | grep -v trace | tr '\n' ' ')}
 run() { # build-dir label args...
-  local dir=$1 label=$2; shift 2
-  LD_LIBRARY_PATH=$dir:$dir/lib:$LD_LIBRARY_PATH timeout 120 $dir/hybridep bench "$@" > "$OUT/ab_last.txt" 2>&1
+  local dir=$1 label=$2 setting=; shift 2
+  [[ "$label" == env:* ]] && setting=${label#env:}
+  env $setting LD_LIBRARY_PATH=$dir:$dir/lib:$LD_LIBRARY_PATH timeout 120 $dir/hybridep bench "$@" > "$OUT/ab_last.txt" 2>&1
   local rc=$?
   echo "== $label $*" >> "$OUT/ab.txt"; cat "$OUT/ab_last.txt" >> "$OUT/ab.txt"
   awk -v l="$label" '/^ *[0-9]+ +[0-9]+ +[0-9.]+ /{printf "%-8s %s\n", l, $0}
@@ -29,7 +31,7 @@ run() { # build-dir label args...
 for r in $(seq 1 "${AB_ROUNDS:-2}"); do
   echo "--- round $r"
   for n in base $names; do
-    d=.gpu; [ "$n" = base ] || d=.gpu/var/$n; [ -d "$d" ] || d=.gpu/$n
+    d=.gpu; [ "$n" = base ] || [[ "$n" == env:* ]] || d=.gpu/var/$n; [ -d "$d" ] || d=.gpu/$n
     if [ "${AB_SET:-kernels}" = nodes ]; then
       for shape in "2 4" "4 2"; do
         set -- $shape

@@ -7,7 +7,7 @@ nvcc=$1 src=$2
 tmp=$(mktemp -d) || exit 1
 trap 'rm -rf "$tmp"' EXIT
 fail=0
-for v in "dispatch.cu HEP_STRIDED_TOKENS" "dispatch.cu HEP_BULK_STORES" \
+for v in "dispatch.cu HEP_STRIDED_TOKENS" "dispatch_bulk.cu HEP_LAYOUT_TRACE" \
          "dispatch.cu HEP_STREAMING_STORES" "dispatch.cu HEP_LAYOUT_TRACE" "dispatch.cu DU=8" \
          "combine.cu HEP_STATIC_TOKENS" "combine.cu HEP_STREAMING_LOADS"; do
   set -- $v

@@ -406,6 +406,16 @@ static void env_rejects_signed_and_oversized_values_and_caps_the_timeout(void **
     assert_string_equal(e->nic_map, "0:mlx5_0,1:mlx5_1");
     assert_string_equal(e->errors, "");
     unsetenv("HEP_NIC_MAP");
+    assert_int_equal(hep_env_reload()->dispatch_stores, HEP_STORES_AUTO);
+    setenv("HEP_DISPATCH_STORES", "bulk", 1);
+    assert_int_equal(hep_env_reload()->dispatch_stores, HEP_STORES_BULK);
+    setenv("HEP_DISPATCH_STORES", "plain", 1);
+    assert_int_equal(hep_env_reload()->dispatch_stores, HEP_STORES_PLAIN);
+    setenv("HEP_DISPATCH_STORES", "fast", 1);
+    e = hep_env_reload();
+    assert_int_equal(e->dispatch_stores, HEP_STORES_AUTO);
+    assert_non_null(strstr(e->errors, "HEP_DISPATCH_STORES='fast'"));
+    unsetenv("HEP_DISPATCH_STORES");
     hep_env_reload();
 }
 

@@ -42,6 +42,8 @@ typedef struct hep_backend_ctx {
     int device;
     int rank, world, R, N, node, local;
     int mates_one_gpu;              /* every node-mate drives this rank's GPU */
+    int dispatch_bulk;              /* GPU backend: the dispatch kernel with bulk stores
+                                       (dispatch_bulk.cu), chosen at setup */
     int mates_one_process;          /* every node-mate is a thread of this process */
     int hold_credits;               /* never free a ring chunk (a test hook; GPU: the proxy
                                        sends no credit) */

@@ -34,6 +34,7 @@ void hep_log_set_sink(hep_log_sink sink, void *ctx);
 
 /* ---- env knobs: all read here, once, into one struct ---- */
 typedef enum { HEP_MR_MODE_AUTO = 0, HEP_MR_MODE_DMABUF = 1, HEP_MR_MODE_LEGACY = 2 } hep_mr_mode;
+typedef enum { HEP_STORES_AUTO = 0, HEP_STORES_PLAIN = 1, HEP_STORES_BULK = 2 } hep_stores_mode;
 typedef struct hep_env {
     int log_level;          /* HEP_LOG_LEVEL: error|warn|info|debug (default info) */
     int mr_mode;            /* HEP_GPU_MR_MODE: auto|dmabuf|legacy (default auto) */
@@ -48,6 +49,8 @@ typedef struct hep_env {
                                of each random delay injected where the inter-node path
                                orders its writes (hep_debug_jitter; kernels: block start) */
     uint64_t jitter_seed;   /* HEP_DEBUG_JITTER_SEED: seed of those delays (default 1) */
+    int dispatch_stores;    /* HEP_DISPATCH_STORES: auto|plain|bulk (default auto): how the
+                               GPU dispatch kernel writes rows (backend_gpu.c) */
     char errors[512];       /* what could not be parsed, "" if all were fine */
 } hep_env;
 /* The parsed knobs (read on first use). */

@@ -85,6 +85,7 @@ static void env_read(hep_env *e)
     static const char *const levels[] = {"error", "warn", "info", "debug"};
     static const char *const modes[] = {"auto", "dmabuf", "legacy"};
     static const char *const nics[] = {"auto", "loopback", "verbs"};
+    static const char *const stores[] = {"auto", "plain", "bulk"};
     const char *gid;
 
     memset(e, 0, sizeof(*e));
@@ -107,6 +108,7 @@ static void env_read(hep_env *e)
                              "an integer in 0..1000000 (microseconds)", 0);
     e->jitter_seed = parse_u64(e, "HEP_DEBUG_JITTER_SEED", 1, 0, UINT64_MAX,
                                "a non-negative integer", 0);
+    e->dispatch_stores = parse_choice(e, "HEP_DISPATCH_STORES", stores, 3, HEP_STORES_AUTO);
     gid = getenv("HEP_IB_GID_INDEX");
     e->gid_index = -1;
     if (gid && *gid)

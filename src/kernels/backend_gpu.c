@@ -63,9 +63,36 @@ static void use_layout(hep_backend_ctx *g, const hep_handle *h)
 
 /* After the group layer checked the node's shape against the kernels' limits: load the
  * kernels, then the launch arguments (node pointers filled once). */
+/* How the dispatch kernel writes rows. Bulk stores (dispatch_bulk.cu: a row pass staged in
+ * shared memory, one cp.async.bulk a destination) free the warps' issue slots for loads;
+ * they were faster with one rank per GPU and no faster where eight ranks share one GPU's
+ * HBM (bench/NOTES.md, session 6). So HEP_DISPATCH_STORES=auto (the default) takes them
+ * where no node-mate shares this rank's GPU and their staging fits the shared memory. */
+static int choose_stores(hep_backend_ctx *g)
+{
+    const int mode = hep_env_get()->dispatch_stores;
+    const size_t smem = hep_dispatch_smem_bulk(g->R, g->cfg->experts_per_rank);
+    const int fits = smem <= 200 * 1024, alone = g->R == 1 || !g->mates_one_gpu;
+    if (mode == HEP_STORES_BULK && !fits)
+        return hep_fail(HEP_ERR_INVALID,
+                        "HEP_DISPATCH_STORES=bulk: the bulk dispatch kernel needs %zu bytes of "
+                        "shared memory for %d ranks per node x %d experts per rank, more than "
+                        "200 KiB (HEP_DISPATCH_STORES=auto or plain use the plain kernel)",
+                        smem, g->R, g->cfg->experts_per_rank);
+    g->dispatch_bulk = mode == HEP_STORES_BULK || (mode == HEP_STORES_AUTO && alone && fits);
+    hep_log(HEP_LOG_DEBUG, "rank %d: dispatch stores: %s (HEP_DISPATCH_STORES=%s%s)", g->rank,
+            g->dispatch_bulk ? "bulk" : "plain",
+            mode == HEP_STORES_AUTO ? "auto" : mode == HEP_STORES_BULK ? "bulk" : "plain",
+            mode != HEP_STORES_AUTO ? ""
+            : alone                 ? (fits ? ", no node-mate on this GPU" : ", staging too large")
+                                    : ", node-mates share this GPU");
+    return HEP_OK;
+}
+
 static int gpu_setup(hep_backend_ctx *g)
 {
     hep_kargs *k;
+    int rc;
     if (g->N > 1) {
         cudaEvent_t ev = NULL;
         cudaError_t e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
@@ -160,8 +187,10 @@ static int gpu_setup(hep_backend_ctx *g)
                          ? (long long)g->plan->buf[HEP_BUF_EM_SCALE].offset - x0
                          : 0;
     }
+    if ((rc = choose_stores(g)))
+        return rc;
     { /* every kernel's first launch now, before any call (kernels/probe.cu says why) */
-        int e = hep_kernels_warm(k);
+        int e = hep_kernels_warm(k, g->dispatch_bulk);
         if (e) {
             (void)cudaGetLastError();
             return hep_fail(HEP_ERR_CUDA, "group: the first launch of the dispatch/combine "
@@ -686,7 +715,8 @@ static int gpu_dispatch(hep_backend_ctx *g, const hep_dispatch_args *a, hep_disp
             return cuda_status((cudaError_t)rc, "hep_dispatch: kernel launch");
     }
     launch_log(g, "dispatch", g->epoch + 1, a->stream, 0);
-    rc = hep_launch_dispatch(k, g->cfg->dispatch_sms, a->stream);
+    rc = g->dispatch_bulk ? hep_launch_dispatch_bulk(k, g->cfg->dispatch_sms, a->stream)
+                          : hep_launch_dispatch(k, g->cfg->dispatch_sms, a->stream);
     launch_log(g, "dispatch", g->epoch + 1, a->stream, 1);
     if (rc == 0 && em && k->em_stage)
         rc = hep_launch_em_stage_out(k, 64, a->stream);

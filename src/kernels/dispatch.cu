@@ -8,10 +8,22 @@
 //     (own tokens first, then, N > 1, each other node's slot once it arrived) and arrives
 //     at every destination; block 0 waits for every source's S arrivals.
 #include <cuda_runtime.h>
+#include <stdint.h>
 #ifdef HEP_LAYOUT_TRACE
 #include <cstdio>
 #endif
 
+#include "kernels/ep_kernels.h"
+
+/* This file compiles twice: as itself (plain stores) and inside dispatch_bulk.cu with
+ * HEP_BULK_STORES, whose kernel and entry points carry the suffix _bulk. All but the C
+ * entry points at the end is in the namespace hep_dispatch (hep_dispatch_bulk), so that the
+ * two compilations' device functions stay apart in the one library. */
+#ifndef HEP_DISPATCH_NAME
+#define HEP_DISPATCH_NAME(x) x
+#endif
+
+namespace HEP_DISPATCH_NAME(hep_dispatch) {
 #include "kernels/layout.cuh"
 #include "kernels/ring.cuh"
 
@@ -30,9 +42,9 @@
 #endif
 
 #ifdef HEP_BULK_STORES
-// Tuning variant (bench/NOTES.md, "Session 6"): each pass is staged once in the warp's shared memory
-// and every pair's lane issues one bulk copy (cp.async.bulk, shared -> global) of it, so
-// the stores leave the warp's issue slots and registers.
+// Bulk stores (dispatch_bulk.cu; bench/NOTES.md, "Session 6"): each pass is staged once in
+// the warp's shared memory and every pair's lane issues one bulk copy (cp.async.bulk,
+// shared -> global) of it, so the stores leave the warp's issue slots and registers.
 extern __shared__ __align__(16) uint4 hep_stage[];
 __device__ __forceinline__ void bulk_wait_read()
 {
@@ -486,7 +498,7 @@ __device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool ove
 // EM = false instance, its loops untouched. NODES: N > 1 (the rings' code is in these
 // instances only, so that it takes no registers from the one-node instances).
 template <bool EM, bool NODES>
-__global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
+__global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispatch)(hep_kargs a)
 {
     if (a.warm)
         return;
@@ -609,7 +621,9 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) k_dispatch(hep_kargs a)
 #endif
 }
 
-extern "C" size_t hep_dispatch_smem(int R, int El)
+} // namespace hep_dispatch (hep_dispatch_bulk)
+
+extern "C" size_t HEP_DISPATCH_NAME(hep_dispatch_smem)(int R, int El)
 {
     /* layout_smem: cnt [R][El], wcnt [32][R], run, pre, tot [R], recv [El + 1], pkey, gkey
      * and gcnt [threads] */
@@ -617,12 +631,13 @@ extern "C" size_t hep_dispatch_smem(int R, int El)
                                         (size_t)El + 1 + 3 * (size_t)DISPATCH_THREADS);
 }
 
-extern "C" int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream)
+#define K_DISPATCH HEP_DISPATCH_NAME(hep_dispatch)::HEP_DISPATCH_NAME(k_dispatch)
+extern "C" int HEP_DISPATCH_NAME(hep_launch_dispatch)(const hep_kargs *a, int blocks, void *stream)
 {
-    size_t smem = hep_dispatch_smem(a->R, a->El);
+    size_t smem = HEP_DISPATCH_NAME(hep_dispatch_smem)(a->R, a->El);
     cudaError_t e = cudaSuccess;
-    void (*k)(hep_kargs) = a->emajor ? (a->N > 1 ? k_dispatch<true, true> : k_dispatch<true, false>)
-                                     : (a->N > 1 ? k_dispatch<false, true> : k_dispatch<false, false>);
+    void (*k)(hep_kargs) = a->emajor ? (a->N > 1 ? K_DISPATCH<true, true> : K_DISPATCH<true, false>)
+                                     : (a->N > 1 ? K_DISPATCH<false, true> : K_DISPATCH<false, false>);
     if (smem > 48 * 1024)
         e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess)
@@ -632,7 +647,7 @@ extern "C" int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream)
 }
 
 // Every instance once, one block that returns at once (kernels/probe.cu says why).
-extern "C" int hep_warm_dispatch(const hep_kargs *a, void *stream)
+extern "C" int HEP_DISPATCH_NAME(hep_warm_dispatch)(const hep_kargs *a, void *stream)
 {
     hep_kargs w = *a;
     int e = 0;
@@ -640,7 +655,8 @@ extern "C" int hep_warm_dispatch(const hep_kargs *a, void *stream)
     for (int i = 0; i < 4 && e == 0; i++) {
         w.emajor = i & 1;
         w.N = i & 2 ? 2 : 1;
-        e = hep_launch_dispatch(&w, 1, stream);
+        e = HEP_DISPATCH_NAME(hep_launch_dispatch)(&w, 1, stream);
     }
     return e;
 }
+#undef K_DISPATCH

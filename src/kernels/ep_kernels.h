@@ -306,6 +306,8 @@ extern "C" {
 #endif
 /* Each returns 0 or a cudaError_t of the launch. `stream` is a cudaStream_t. */
 int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream);
+/* The same kernel with bulk stores (dispatch_bulk.cu). */
+int hep_launch_dispatch_bulk(const hep_kargs *a, int blocks, void *stream);
 int hep_launch_combine(const hep_kargs *a, int blocks, void *stream);
 /* Staged expert-major layout (em_stage): after the dispatch kernel, copy the rows written
  * (em[HEP_EM_NUM_PERMUTED], read on the device; none when the layout exceeded the receive
@@ -328,9 +330,11 @@ int hep_launch_node_pack(const hep_kargs *a, int blocks, void *stream);
 /* Launch every kernel instance once with a.warm set (each returns at once) and wait for
  * them: a kernel's first launch can be held back behind the kernels already running
  * (kernels/probe.cu). Group creation, before any call. */
-int hep_kernels_warm(const hep_kargs *a);
+int hep_kernels_warm(const hep_kargs *a, int bulk);
 /* Bytes of dynamic shared memory the dispatch kernel needs for R ranks, El experts. */
 size_t hep_dispatch_smem(int R, int El);
+/* The same for the kernel with bulk stores (its row staging included). */
+size_t hep_dispatch_smem_bulk(int R, int El);
 /* Bytes of dynamic shared memory the inter-node pack kernel needs (N nodes). */
 size_t hep_node_pack_smem(int N, int R, int El);
 #ifdef __cplusplus

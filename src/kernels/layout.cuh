@@ -14,7 +14,7 @@
 // HEP_LAYOUT_TRACE (a measurement build only, bench/NOTES.md): block 0's thread 0 stamps
 // the SM clock at each step of the layout, and prints the steps' cycles at the kernel's end.
 #ifdef HEP_LAYOUT_TRACE
-__device__ long long hep_ltrace[64][16]; /* [rank & 63][step] */
+static __device__ long long hep_ltrace[64][16]; /* [rank & 63][step] */
 #define LTRACE(i)                                                                          \
     do {                                                                                   \
         if (blockIdx.x == 0 && threadIdx.x == 0)                                           \

@@ -54,6 +54,7 @@ extern "C" int hep_kernels_probe(int device, char *why, size_t why_len)
 }
 
 extern "C" int hep_warm_dispatch(const hep_kargs *a, void *stream);
+extern "C" int hep_warm_dispatch_bulk(const hep_kargs *a, void *stream);
 extern "C" int hep_warm_combine(const hep_kargs *a, void *stream);
 extern "C" int hep_warm_copies(const hep_kargs *a, void *stream);
 extern "C" int hep_warm_node_pack(const hep_kargs *a, void *stream);
@@ -67,9 +68,10 @@ extern "C" int hep_warm_node_pack(const hep_kargs *a, void *stream);
 // at all in 100 processes with the kept streams' first kernels as well (bench/RESULTS.md,
 // 2026-12-02; the cause is not known). Group creation therefore launches every kernel
 // instance once, before any rank's first call, on the legacy stream, and waits for them.
-extern "C" int hep_kernels_warm(const hep_kargs *a)
+extern "C" int hep_kernels_warm(const hep_kargs *a, int bulk)
 {
-    int e = hep_warm_dispatch(a, cudaStreamLegacy);
+    int e = bulk ? hep_warm_dispatch_bulk(a, cudaStreamLegacy)
+                 : hep_warm_dispatch(a, cudaStreamLegacy);
     if (e == 0)
         e = hep_warm_combine(a, cudaStreamLegacy);
     if (e == 0)

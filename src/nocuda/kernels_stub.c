@@ -21,6 +21,10 @@ int hep_launch_dispatch(const hep_kargs *a, int blocks, void *stream)
 {
     return (void)a, (void)blocks, (void)stream, cudaErrorNoDevice;
 }
+int hep_launch_dispatch_bulk(const hep_kargs *a, int blocks, void *stream)
+{
+    return (void)a, (void)blocks, (void)stream, cudaErrorNoDevice;
+}
 int hep_launch_combine(const hep_kargs *a, int blocks, void *stream)
 {
     return (void)a, (void)blocks, (void)stream, cudaErrorNoDevice;
@@ -45,6 +49,7 @@ int hep_launch_node_pack(const hep_kargs *a, int blocks, void *stream)
 {
     return (void)a, (void)blocks, (void)stream, cudaErrorNoDevice;
 }
-int hep_kernels_warm(const hep_kargs *a) { return (void)a, cudaErrorNoDevice; }
+int hep_kernels_warm(const hep_kargs *a, int bulk) { return (void)a, (void)bulk, cudaErrorNoDevice; }
 size_t hep_dispatch_smem(int R, int El) { return (void)R, (void)El, 0; }
+size_t hep_dispatch_smem_bulk(int R, int El) { return (void)R, (void)El, 0; }
 size_t hep_node_pack_smem(int N, int R, int El) { return (void)N, (void)R, (void)El, 0; }
