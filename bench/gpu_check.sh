@@ -34,7 +34,7 @@
 #     (warm, preloaded, cold, none, newstream, smem_warm, smem_preloaded): does a kernel's first launch hold back work launched
 #     after it on other streams until the running kernels end (not part of `all`: name it)
 #   GPU_DIR: the build to run (.gpu; e.g. .gpu/ring for a second build carried beside it)
-#   TEST_FILTER: a cmocka pattern (e.g. '*huge_timeout*') for the test_gpu_ep cases `test`
+#   TEST_FILTER: cmocka patterns, comma-separated (e.g. '*huge_timeout*') for the test_gpu_ep cases `test`
 #     runs; TRAIN_TEST_FILTER the same for test_gpu_train
 set -uo pipefail
 cd "$(dirname "$0")/.."

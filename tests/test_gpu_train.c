@@ -42,6 +42,7 @@
 #include "fake_mr.h"
 #include "group/group.h"
 #include "ranks.h"
+#include "test_filter.h"
 
 #define MAXW 8
 #define MAXT 256
@@ -1672,8 +1673,6 @@ int main(void)
         printf("skipped: no usable GPU: %s\n", hep_last_error());
         return 77;
     }
-    /* e.g. "*graph_replays*": those cases only (unset or empty: all), as in test_gpu_ep */
-    if (getenv("HEP_GPU_TEST_FILTER") && *getenv("HEP_GPU_TEST_FILTER"))
-        cmocka_set_test_filter(getenv("HEP_GPU_TEST_FILTER"));
-    return cmocka_run_group_tests(tests, NULL, NULL);
+    /* e.g. "*graph_replays*" (tests/test_filter.h): those cases only */
+    return hep_run_filtered("tests", tests, sizeof(tests) / sizeof(tests[0]));
 }
