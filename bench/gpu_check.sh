@@ -146,16 +146,17 @@ if named profile; then
     else
       for k in k_dispatch k_combine; do
         step "ncu $k: hybridep bench --ranks-per-node 1 --experts-per-rank 8 --topk 8 --sms ${PROFILE_SMS:-16}"
-        timeout 240 "$NCU" --kernel-name "regex:$k" --launch-skip 3 --launch-count 1 \
+        # past group creation's warm-up launches (one block each, returning at once)
+        timeout 240 "$NCU" --kernel-name "regex:$k" --launch-skip 24 --launch-count 1 \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-          --section SchedulerStats --section Occupancy \
+          --section SchedulerStats --section Occupancy --section LaunchStats \
           $B/hybridep bench --ranks-per-node 1 --experts-per-rank 8 --topk 8 \
-          --sms "${PROFILE_SMS:-16}" --iters 3 --warmup 2
+          --sms "${PROFILE_SMS:-16}" --iters 20 --warmup 10
         echo "ncu $k exit: $?"
       done
     fi
   } > "$OUT/profile.txt" 2>&1
-  grep -E "^===|exit|Throughput|Stall|Warp Cycles|Issued|Eligible|Active Warps|Duration|not profiled" \
+  grep -E "^===|exit|Throughput|Stall|Warp Cycles|Issued|Eligible|Active Warps|Duration|Grid Size|not profiled" \
     "$OUT/profile.txt" | head -60
 fi
 if want mpi; then
