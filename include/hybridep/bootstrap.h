@@ -57,7 +57,11 @@ void hep_inproc_world_destroy(hep_inproc_world *world);
  * then waits behind one that waits for it, until the timeout. Made once per rank, they take
  * their queues once (the loopback NIC keeps its copy streams in the same table). A new
  * stream runs one empty kernel, waited for, before it is handed out, so that a rank's
- * first call is not its stream's first work (bench/RESULTS.md, 2026-12-02).
+ * first call is not its stream's first work (bench/RESULTS.md, 2026-12-02). Graph
+ * replays need queues too: after 16 virtual ranks across nodes had made 32 kept streams
+ * (16 ranks', 16 NICs'), four ranks' graph replays on their own kept streams queued
+ * behind a node-mate and timed out on every run, and passed in a process with fewer
+ * streams. Capture and replay graphs of virtual ranks where fewer than 32 streams exist.
  *
  * The calling thread's current device is as before the call. Returns 0, or, with
  * hep_last_error() set: HEP_ERR_INVALID (stream NULL, rank out of range, no such device),
