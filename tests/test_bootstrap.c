@@ -9,6 +9,7 @@
 #include <cmocka.h>
 #include <cuda_runtime_api.h>
 
+#include "bootstrap/stream.h"
 #include "core/core.h"
 #include "ranks.h"
 
@@ -125,6 +126,46 @@ static void inproc_stream_without_a_gpu_is_unavailable_with_the_reason(void **st
     }
 }
 
+/* The hardware queues a process gets (CUDA_DEVICE_MAX_CONNECTIONS, CUDA's default 8 when
+ * unset or not 1..32), and the timeout message's note once kept streams take them all. */
+static void stream_queues_follow_cuda_device_max_connections(void **state)
+{
+    static const struct {
+        const char *v;
+        int queues;
+    } cases[] = {{NULL, 8}, {"", 8}, {"32", 32}, {"1", 1}, {"0", 8}, {"33", 8}, {"16x", 8},
+                 {"-4", 8}};
+    const char *saved = getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    char *keep = saved ? strdup(saved) : NULL;
+    char note[256];
+    (void)state;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        if (cases[i].v)
+            setenv("CUDA_DEVICE_MAX_CONNECTIONS", cases[i].v, 1);
+        else
+            unsetenv("CUDA_DEVICE_MAX_CONNECTIONS");
+        assert_int_equal(hep_stream_queues(), cases[i].queues);
+    }
+    if (keep)
+        setenv("CUDA_DEVICE_MAX_CONNECTIONS", keep, 1);
+    else
+        unsetenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    free(keep);
+    strcpy(note, "x");
+    assert_int_equal(hep_stream_queue_note(note, sizeof(note), 0, 31, 32), 0);
+    assert_string_equal(note, "");
+    assert_int_equal(hep_stream_queue_note(note, sizeof(note), 1, 32, 32), 1);
+    print_message("%s\n", note);
+    assert_non_null(strstr(note, "keeps 32 streams on GPU 1"));
+    assert_non_null(strstr(note, "32 hardware queues"));
+    assert_int_equal(hep_stream_queue_note(note, sizeof(note), 0, 40, 32), 1);
+    assert_non_null(strstr(note, "keeps 40 streams on GPU 0"));
+    assert_int_equal(hep_stream_queue_note(NULL, 0, 0, 40, 32), 0);
+    /* no stream was made here: none is counted, a device out of range neither */
+    assert_int_equal(hep_kept_streams(-1), 0);
+    assert_int_equal(hep_kept_streams(1 << 20), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -133,6 +174,7 @@ int main(void)
         cmocka_unit_test(inproc_world_rejects_bad_sizes),
         cmocka_unit_test(inproc_stream_rejects_bad_arguments),
         cmocka_unit_test(inproc_stream_without_a_gpu_is_unavailable_with_the_reason),
+        cmocka_unit_test(stream_queues_follow_cuda_device_max_connections),
     };
     return cmocka_run_group_tests_name("bootstrap", tests, NULL, NULL);
 }

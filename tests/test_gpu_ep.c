@@ -1177,6 +1177,14 @@ static void gpu_inproc_stream_is_made_once_per_device_and_rank(void **state)
         for (int j = i + 1; j < 2 * K; j++)
             if (!all[i] || all[i] == all[j])
                 fail_msg("kept streams %d and %d: %p and %p", i, j, all[i], all[j]);
+    { /* 2K + 1 kept streams on device 0 now: at least the 32 queues the suite asks for */
+        char note[256];
+        const int kept_n = hep_kept_streams(0);
+        assert_true(kept_n >= 2 * K + 1);
+        assert_int_equal(hep_stream_queues(), 32);
+        assert_int_equal(hep_stream_queue_note(note, sizeof(note), 0, kept_n, 32), 1);
+        print_message("%d kept streams on GPU 0%s\n", kept_n, note);
+    }
     /* from the last device, device 0's stream: made there, the caller stays where it was */
     assert_int_equal(cudaSetDevice(n - 1), cudaSuccess);
     assert_int_equal(hep_inproc_stream(0, 2000, &s), HEP_OK);

@@ -62,6 +62,8 @@ void hep_inproc_world_destroy(hep_inproc_world *world);
  * (16 ranks', 16 NICs'), four ranks' graph replays on their own kept streams queued
  * behind a node-mate and timed out on every run, and passed in a process with fewer
  * streams. Capture and replay graphs of virtual ranks where fewer than 32 streams exist.
+ * The stream that takes a GPU's last queue logs a warning once, and a rank's timeout for
+ * arriving late says how many kept streams its GPU has when they take every queue.
  *
  * The calling thread's current device is as before the call. Returns 0, or, with
  * hep_last_error() set: HEP_ERR_INVALID (stream NULL, rank out of range, no such device),

@@ -3,6 +3,7 @@
  * one lock. Nothing here is ever destroyed: see hep_inproc_stream in hybridep/bootstrap.h
  * for why (a GPU's 32 hardware queues are handed out in turn, whatever was destroyed). */
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 
 #include <cuda_runtime_api.h>
@@ -80,6 +81,59 @@ static int make_stream(int device, const char *who, cudaStream_t *s)
     return rc;
 }
 
+/* The hardware queues a process gets on a GPU: CUDA_DEVICE_MAX_CONNECTIONS (1..32), 8
+ * when unset or not a number in that range (CUDA's default). */
+int hep_stream_queues(void)
+{
+    const char *v = getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    char *end = NULL;
+    long n = v && *v ? strtol(v, &end, 10) : 0;
+    return end && *end == 0 && n >= 1 && n <= 32 ? (int)n : 8;
+}
+
+int hep_kept_streams(int device)
+{
+    int n = 0;
+    pthread_mutex_lock(&kept.lock);
+    if (kept.table && device >= 0 && device < kept.devices && kept.table[device])
+        for (int i = 0; i < HEP_STREAM_SLOTS; i++)
+            n += kept.table[device][i] != NULL;
+    pthread_mutex_unlock(&kept.lock);
+    return n;
+}
+
+int hep_stream_queue_note(char *buf, size_t len, int device, int kept_n, int queues)
+{
+    if (!buf || !len)
+        return 0;
+    buf[0] = 0;
+    if (kept_n < queues)
+        return 0;
+    snprintf(buf, len, "; this process keeps %d streams on GPU %d, at least as many as its %d "
+             "hardware queues (CUDA_DEVICE_MAX_CONNECTIONS): a stream made or a CUDA graph "
+             "launched on that GPU since shares a queue with a rank's", kept_n, device, queues);
+    return 1;
+}
+
+/* The stream just made in slot `slot` of `device` (lock held): when it takes the last of
+ * the GPU's hardware queues, or one past them, say so once per device. */
+static void note_queues(int device, const cudaStream_t *row)
+{
+    static int told[64];
+    const int queues = hep_stream_queues();
+    int n = 0;
+    for (int i = 0; i < HEP_STREAM_SLOTS; i++)
+        n += row[i] != NULL;
+    if (n >= queues && device < 64 && !told[device]) {
+        told[device] = 1;
+        hep_log(HEP_LOG_WARN, "GPU %d: %d kept streams (virtual ranks' and loopback NICs') take "
+                "all %d of its hardware queues (CUDA_DEVICE_MAX_CONNECTIONS); a stream made or a "
+                "CUDA graph launched on it from now on shares a queue with one of them, and a "
+                "co-dependent rank's kernel can then wait behind another until the timeout",
+                device, n, queues);
+    }
+}
+
 int hep_kept_stream(int device, int slot, const char *who, void **out)
 {
     cudaStream_t *row = NULL;
@@ -93,8 +147,8 @@ int hep_kept_stream(int device, int slot, const char *who, void **out)
                         device);
     pthread_mutex_lock(&kept.lock);
     rc = slots_of(device, who, &row);
-    if (rc == HEP_OK && !row[slot])
-        rc = make_stream(device, who, &row[slot]);
+    if (rc == HEP_OK && !row[slot] && (rc = make_stream(device, who, &row[slot])) == HEP_OK)
+        note_queues(device, row);
     if (rc == HEP_OK)
         *out = row[slot];
     pthread_mutex_unlock(&kept.lock);

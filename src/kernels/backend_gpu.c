@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include "backend/backend.h"
+#include "bootstrap/stream.h"
 #include "core/core.h"
 #include "kernels/ep_kernels.h"
 #include "net/proxy.h"
@@ -276,16 +277,20 @@ static int diag_status(hep_backend_ctx *g, const char *call, void *stream)
                      "(its arrival word came over the network) but its flag did not arrive",
                      call, g->rank, (double)d->waited_ns / 1e6, stage_name(d->stage), d->block,
                      peer, d->expected, d->seen, peer, came);
-        else if (d->via_plus1 && peer == g->rank)
+        else if (d->via_plus1 && peer == g->rank) {
             /* the missing rank is this one: its kernel came after the others gave up */
+            char note[256];
+            hep_stream_queue_note(note, sizeof(note), g->device, hep_kept_streams(g->device),
+                                  hep_stream_queues());
             snprintf(g->broken_msg, sizeof(g->broken_msg),
                      "%s timed out on rank %d after %.0f ms in %s, block %d: it waited for rank "
                      "%d, which had given up waiting for this rank (HEP_TIMEOUT_MS): this rank's "
                      "kernel reached the call too late, because its launch was held up on the "
                      "host or because its stream queued behind other work on the GPU "
-                     "(HEP_LOG_LEVEL=debug logs when each rank's kernels were launched)",
+                     "(HEP_LOG_LEVEL=debug logs when each rank's kernels were launched)%s",
                      call, g->rank, (double)d->waited_ns / 1e6, stage_name(d->stage), d->block,
-                     d->via_plus1 - 1);
+                     d->via_plus1 - 1, note);
+        }
         else if (d->via_plus1)
             snprintf(g->broken_msg, sizeof(g->broken_msg),
                      "%s timed out on rank %d after %.0f ms in %s, block %d: it waited for rank "
