@@ -115,7 +115,7 @@ int hep_stream_queue_note(char *buf, size_t len, int device, int kept_n, int que
     return 1;
 }
 
-/* The stream just made in slot `slot` of `device` (lock held): when it takes the last of
+/* After a stream was made on `device` (lock held; row: its slots): when it took the last of
  * the GPU's hardware queues, or one past them, say so once per device. */
 static void note_queues(int device, const cudaStream_t *row)
 {
