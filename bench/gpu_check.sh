@@ -33,6 +33,9 @@
 #   firstlaunch: bench/first_launch.cu, FIRSTLAUNCH_RUNS (8) fresh processes of each mode
 #     (warm, preloaded, cold, none, newstream, smem_warm, smem_preloaded): does a kernel's first launch hold back work launched
 #     after it on other streams until the running kernels end (not part of `all`: name it)
+#   repeat: REPEAT_RUNS (10) fresh processes of REPEAT_BIN (test_gpu_ep) with HEP_GPU_TEST_FILTER
+#     =REPEAT_FILTER (comma-separated patterns, e.g. 'gpu_sixteen*,gpu_graph*': a case after
+#     the one before it): how many failed, each failure's first lines (not part of `all`)
 #   GPU_DIR: the build to run (.gpu; e.g. .gpu/ring for a second build carried beside it)
 #   TEST_FILTER: cmocka patterns, comma-separated (e.g. '*huge_timeout*') for the test_gpu_ep cases `test`
 #     runs; TRAIN_TEST_FILTER the same for test_gpu_train
@@ -201,6 +204,23 @@ if named stress; then
     done
   } > "$OUT/stress.txt" 2>&1
   grep -E "^===|^stress|exit|FAILED|timed out|SUMMARY|differ" "$OUT/stress.txt" | tail -30
+fi
+if named repeat; then
+  (
+  runs=${REPEAT_RUNS:-10} bin=${REPEAT_BIN:-test_gpu_ep} filter=${REPEAT_FILTER:-} failed=0
+  [ -n "$filter" ] || { echo "repeat: set REPEAT_FILTER (e.g. 'gpu_graph*')"; exit 0; }
+  for i in $(seq 1 "$runs"); do
+    log=/tmp/hep_repeat_run.txt
+    HEP_GPU_TEST_FILTER=$filter timeout 200 "$B/$bin" > "$log" 2>&1
+    rc=$?
+    [ $rc = 0 ] && continue
+    failed=$((failed + 1))
+    echo "run $i: exit $rc:"
+    grep -E "FAILED  \\]|timed out|differ|rows vs" "$log" | head -4 | cut -c1-300
+    { echo "=== run $i (exit $rc)"; cat "$log"; } >> "$OUT/repeat.txt"
+  done
+  echo "repeat: $bin '$filter': $failed of $runs runs failed"
+  )
 fi
 if named firstcall; then
   # the first call of a fresh process, again and again: for every run whose first call timed
