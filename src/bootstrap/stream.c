@@ -91,13 +91,21 @@ int hep_stream_queues(void)
     return end && *end == 0 && n >= 1 && n <= 32 ? (int)n : 8;
 }
 
+/* The streams made in a device's slots (lock held). */
+static int made_in(const cudaStream_t *row)
+{
+    int n = 0;
+    for (int i = 0; row && i < HEP_STREAM_SLOTS; i++)
+        n += row[i] != NULL;
+    return n;
+}
+
 int hep_kept_streams(int device)
 {
     int n = 0;
     pthread_mutex_lock(&kept.lock);
-    if (kept.table && device >= 0 && device < kept.devices && kept.table[device])
-        for (int i = 0; i < HEP_STREAM_SLOTS; i++)
-            n += kept.table[device][i] != NULL;
+    if (kept.table && device >= 0 && device < kept.devices)
+        n = made_in(kept.table[device]);
     pthread_mutex_unlock(&kept.lock);
     return n;
 }
@@ -115,23 +123,18 @@ int hep_stream_queue_note(char *buf, size_t len, int device, int kept_n, int que
     return 1;
 }
 
-/* After a stream was made on `device` (lock held; row: its slots): when it took the last of
- * the GPU's hardware queues, or one past them, say so once per device. */
+/* After a stream was made on `device` (lock held; row: its slots): the one that takes the
+ * GPU's last hardware queue says so (streams are made one at a time, under the lock, so
+ * the count meets the queues once). */
 static void note_queues(int device, const cudaStream_t *row)
 {
-    static int told[64];
-    const int queues = hep_stream_queues();
-    int n = 0;
-    for (int i = 0; i < HEP_STREAM_SLOTS; i++)
-        n += row[i] != NULL;
-    if (n >= queues && device < 64 && !told[device]) {
-        told[device] = 1;
+    const int queues = hep_stream_queues(), n = made_in(row);
+    if (n == queues)
         hep_log(HEP_LOG_WARN, "GPU %d: %d kept streams (virtual ranks' and loopback NICs') take "
                 "all %d of its hardware queues (CUDA_DEVICE_MAX_CONNECTIONS); a stream made or a "
                 "CUDA graph launched on it from now on shares a queue with one of them, and a "
                 "co-dependent rank's kernel can then wait behind another until the timeout",
                 device, n, queues);
-    }
 }
 
 int hep_kept_stream(int device, int slot, const char *who, void **out)
