@@ -3,7 +3,8 @@
 //  0. (N > 1) the other nodes' rows are in flight; their count blocks come first.
 //  1. every block scans its own tokens (layout.cuh) and arrives at the rank's grid counter.
 //  2. block 0 publishes the rank's counts, waits for every node-mate's and lays out; the
-//     other blocks make their positions rank-wide meanwhile.
+//     other blocks make their positions rank-wide meanwhile. (One node, rank-major: the
+//     last block to arrive publishes, and every block lays out its own rows; layout.cuh.)
 //  3. every block pushes its tokens' rows, probabilities and scales to their destinations
 //     (own tokens first, then, N > 1, each other node's slot once it arrived) and arrives
 //     at every destination; block 0 waits for every source's S arrivals.
@@ -122,12 +123,14 @@ __device__ __forceinline__ void push_row(const uint4 *src, bool slot, unsigned m
 // there is taken off the count, which the destination sums again after the arrivals.
 // Token i of the list is row vi of the view (the same for the own tokens); a slot's token
 // takes its positions from the offsets its sender shipped and records them in dest_rows
-// (list L's positions, which combine reads).
+// (list L's positions, which combine reads). With `pre` (the blocks' own layout) the own
+// token's positions are its block's: made rank-wide here (plus pre[d], the rows of the
+// earlier blocks) and recorded.
 template <int U = DU>
 __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, int L, int i,
                                            int vi, int mybase, char *const *s_x,
                                            float *const *s_prob, float *const *s_scale,
-                                           int *drop_cnt)
+                                           int *drop_cnt, const int *pre = NULL)
 {
     const int R = a.R, El = a.El, lane = threadIdx.x & 31;
     const long long first = (long long)a.rank0 * El;
@@ -139,7 +142,11 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
     // the token's positions, slots, weights and scales are loaded together, before any of
     // them is used: one memory round trip ahead of the row's loads, not three in a row
     int *drow = a.dest_rows + ((size_t)L * T + i) * R;
-    const int pos = lane >= R ? -1 : v.off ? __ldcg(v.off + (size_t)vi * R + lane) : drow[lane];
+    int pos = lane >= R ? -1 : v.off ? __ldcg(v.off + (size_t)vi * R + lane) : drow[lane];
+    if (pre && pos >= 0) {
+        pos += pre[lane];
+        drow[lane] = pos;
+    }
     if (v.off && lane < R)
         drow[lane] = pos;
     i = vi; /* from here on, the view's row */
@@ -201,12 +208,15 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
 // Block b's warps push its tokens of list L, each warp consecutive tokens of the block's
 // share. (Taking tokens from a rank-wide counter was tried: a warp may then push a token
 // of another block before that block made its positions rank-wide, which needs one more
-// grid barrier, and it gained nothing measurable for dispatch; bench/NOTES.md.)
+// grid barrier, and it gained nothing measurable for dispatch; bench/NOTES.md.) The row
+// bases are block 0's (meta), or with `base` the block's own (shared memory), its
+// positions then made rank-wide by `pre` as they are pushed.
 __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const *s_x,
-                          float *const *s_prob, float *const *s_scale, int *drop_cnt = NULL)
+                          float *const *s_prob, float *const *s_scale, int *drop_cnt = NULL,
+                          const int *base = NULL, const int *pre = NULL)
 {
     const int lane = threadIdx.x & 31;
-    const int mybase = lane < a.R ? ld_l2(a.meta + L * a.R + lane) : 0;
+    const int mybase = lane >= a.R ? 0 : base ? base[L * a.R + lane] : ld_l2(a.meta + L * a.R + lane);
     int t0, t1;
     block_range(v.t, blockIdx.x, gridDim.x, t0, t1);
 #ifdef HEP_STRIDED_TOKENS
@@ -216,7 +226,7 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
     warp_range(t0, t1, threadIdx.x >> 5, blockDim.x >> 5, w0, w1);
     for (int i = w0; i < w1; i++)
 #endif
-        push_token(a, v, L, i, i, mybase, s_x, s_prob, s_scale, drop_cnt);
+        push_token(a, v, L, i, i, mybase, s_x, s_prob, s_scale, drop_cnt, pre);
     bulk_wait_all(); /* HEP_BULK_STORES: the list's copies are done (and their stage read) */
 }
 
@@ -494,6 +504,32 @@ __device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool ove
     return true;
 }
 
+// HEP_LAYOUT_TRACE: block 0's cycles of each layout step (LTRACE stamps) and of the rest.
+// `self`: the blocks' own layout (one node, rank-major: the outputs written after the push,
+// steps 7 and 8 last).
+__device__ __forceinline__ void ltrace_print(const hep_kargs &a, bool self)
+{
+#ifdef HEP_LAYOUT_TRACE
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        const long long *tr = hep_ltrace[(a.rank0 + a.local) & 63], c0 = tr[0], end = clock64();
+        if (self)
+            printf("LTRACE rank %d S %d cycles (own layout): scan %lld arrive %lld mates %lld "
+                   "bases %lld | push %lld finish %lld arrive %lld\n",
+                   a.rank0 + a.local, gridDim.x, tr[1] - c0, tr[2] - tr[1], tr[6] - tr[2],
+                   tr[9] - tr[6], tr[7] - tr[9], tr[8] - tr[7], end - tr[8]);
+        else
+            printf("LTRACE rank %d S %d cycles: scan %lld barrier %lld rebase %lld tot %lld "
+                   "release %lld mates %lld bases %lld tail %lld ready %lld | push+arrive "
+                   "%lld\n",
+                   a.rank0 + a.local, gridDim.x, tr[1] - c0, tr[2] - tr[1], tr[3] - tr[2],
+                   tr[4] - tr[3], tr[5] - tr[4], tr[6] - tr[5], tr[7] - tr[6], tr[8] - tr[7],
+                   tr[9] - tr[8], end - tr[9]);
+    }
+#else
+    (void)a, (void)self;
+#endif
+}
+
 // EM: the expert-major layout (kernels/expert_major.cuh); the rank-major kernel is the
 // EM = false instance, its loops untouched. NODES: N > 1 (the rings' code is in these
 // instances only, so that it takes no registers from the one-node instances).
@@ -552,6 +588,41 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
     LTRACE(0);
     if (a.rec_ids)
         record_routing(a);
+    if (!EM && !NODES) {
+        // 1-2. (one node, rank-major) every block lays out its own rows: the last block to
+        // arrive publishes the rank's counts; every block waits for every node-mate's and
+        // derives its positions' base (the earlier blocks' rows), its row bases and the
+        // destinations' totals from them in one round of loads. Its positions become
+        // rank-wide as its tokens are pushed; block 0 writes the layout's outputs after its
+        // own push.
+        scan_list(a, list_of(a, a.node), a.node, true, s, mine, true);
+        LTRACE(1);
+        arrive_publish(a, e);
+        LTRACE(2);
+        if (!wait_counts(a, e))
+            return;
+        LTRACE(6);
+        own_layout(a, e, s);
+        const bool over = over_capacity(a, s.tot) >= 0 && !a.drop;
+        const unsigned long long t_layout = now_ns();
+        LTRACE(9);
+        if (!over)
+            push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, a.drop ? mine : NULL,
+                      s.base, s.pre);
+        else /* nothing pushed: the positions still made rank-wide, for the handle */
+            rebase_own(a, s);
+        if (b == 0) {
+            for (int d = tid; d < R; d += blockDim.x)
+                a.meta[d] = s.base[d];
+            layout_finish(a, e, s);
+            layout_report(a, s, t_start, t_layout);
+        }
+        arrive_all(a, e);
+        if (b == 0)
+            drop_recount(a, e);
+        ltrace_print(a, true);
+        return;
+    }
     scan_list(a, list_of(a, a.node), a.node, true, s, mine);
     if (EM)
         em_save_counts(a, s);
@@ -609,25 +680,16 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
     arrive_all(a, e);
     if (b == 0)
         drop_recount(a, e);
-#ifdef HEP_LAYOUT_TRACE
-    if (b == 0 && tid == 0) {
-        const long long *tr = hep_ltrace[(a.rank0 + a.local) & 63], c0 = tr[0], end = clock64();
-        printf("LTRACE rank %d S %d cycles: scan %lld barrier %lld rebase %lld tot %lld "
-               "release %lld mates %lld bases %lld tail %lld ready %lld | push+arrive %lld\n",
-               a.rank0 + a.local, S, tr[1] - c0, tr[2] - tr[1], tr[3] - tr[2], tr[4] - tr[3],
-               tr[5] - tr[4], tr[6] - tr[5], tr[7] - tr[6], tr[8] - tr[7], tr[9] - tr[8],
-               end - tr[9]);
-    }
-#endif
+    ltrace_print(a, false);
 }
 
 } // namespace hep_dispatch (hep_dispatch_bulk)
 
 extern "C" size_t HEP_DISPATCH_NAME(hep_dispatch_smem)(int R, int El)
 {
-    /* layout_smem: cnt [R][El], wcnt [32][R], run, pre, tot [R], recv [El + 1], pkey, gkey
-     * and gcnt [threads] */
-    return STAGE_BYTES + sizeof(int) * ((size_t)R * El + 32 * (size_t)R + 3 * (size_t)R +
+    /* layout_smem: cnt [R][El], wcnt [32][R], run, pre, tot, base [R], recv [El + 1], pkey,
+     * gkey and gcnt [threads] */
+    return STAGE_BYTES + sizeof(int) * ((size_t)R * El + 32 * (size_t)R + 4 * (size_t)R +
                                         (size_t)El + 1 + 3 * (size_t)DISPATCH_THREADS);
 }
 

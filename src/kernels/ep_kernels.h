@@ -11,7 +11,11 @@
  *    (positions per destination, per-expert counts); after a grid barrier block 0
  *    publishes the rank's counts to its shared buffer (double-buffered by e & 1),
  *    COUNTS_READY = e, waits for every node-mate's, derives the row base at each
- *    destination, what it receives and tokens per expert, LAYOUT_READY = e; then every
+ *    destination, what it receives and tokens per expert, LAYOUT_READY = e. (One node,
+ *    rank-major: no grid barrier and no LAYOUT_READY; each block adds its totals to the
+ *    published counts too, the last block to arrive at the grid counter publishes
+ *    COUNTS_READY = e, and every block waits for every node-mate's and derives its own row
+ *    bases; block 0 writes the outputs after its push.) Then every
  *    block pushes rows, probabilities and scales into the destinations' buffers and adds 1
  *    to DISPATCH_ARRIVE[source] at each destination; block 0 waits until
  *    DISPATCH_ARRIVE[s] >= e * S for every source s.

@@ -1,11 +1,17 @@
 // kernels/layout.cuh: the layout step of the dispatch kernel. Every block scans the routing
 // of its share of a list (destination mask, position among the block's tokens at each
-// destination, per-(destination, expert) counts); after one grid barrier, block 0 publishes
-// the rank's counts to its node-mates and derives from theirs where its rows go (a row
-// base per list and destination), what it receives and the tokens per expert, while the
-// other blocks make their positions rank-wide. Every sum is spread over a warp's lanes or
-// the block's threads: no thread walks the blocks or ranks one dependent load at a time.
-// Included by dispatch.cu only.
+// destination, per-(destination, expert) counts). Then, two ways:
+//  - one node, rank-major (own_layout): no grid barrier and no hand-off. The last block to
+//    arrive publishes the rank's counts (every block added its own); every block waits for
+//    every node-mate's and derives its own row bases, the earlier blocks' rows and the
+//    destinations' totals in one round of loads, and pushes; block 0 writes the outputs
+//    (what this rank receives, tokens per expert, the capacity's outcome) after its push.
+//  - expert-major, or across nodes (layout_publish): after one grid barrier block 0
+//    publishes the rank's counts (with the other nodes' count blocks), derives the row
+//    bases of every list and the outputs and releases the other blocks, which made their
+//    positions rank-wide meanwhile.
+// Every sum is spread over a warp's lanes or the block's threads: no thread walks the
+// blocks or ranks one dependent load at a time. Included by dispatch.cu only.
 #ifndef HEP_KERNELS_LAYOUT_CUH
 #define HEP_KERNELS_LAYOUT_CUH
 
@@ -30,7 +36,8 @@ struct layout_smem {
     int *wcnt; // [32][R] per-warp offsets of a tile
     int *run;  // [R] the block's rows at each destination so far
     int *pre;  // [R] rows of the earlier blocks at each destination
-    int *tot;  // [R] rows of all blocks (block 0)
+    int *tot;  // [R] rows of all blocks (block 0), then of all sources at each destination
+    int *base; // [R] the own list's row base at each destination (the blocks' own layout)
     int *recv; // [El + 1] what this rank receives (block 0)
     int *pkey; // [threads] expert-major places (em_places): each pair's (d, e) of a tile
     int *gkey; // [warps][32] each warp's (d, e) groups of the tile ...
@@ -45,7 +52,8 @@ __device__ __forceinline__ layout_smem layout_smem_at(int *sm, int R, int El)
     s.run = s.wcnt + 32 * R;
     s.pre = s.run + R;
     s.tot = s.pre + R;
-    s.recv = s.tot + R;
+    s.base = s.tot + R;
+    s.recv = s.base + R;
     s.pkey = s.recv + El + 1;
     s.gkey = s.pkey + blockDim.x;
     s.gcnt = s.gkey + blockDim.x;
@@ -68,7 +76,7 @@ static __device__ __noinline__ void record_bad_id(hep_diag *diag, int i, int k, 
 // per-(destination, expert) counts are added to the published counts `mine`. An own id
 // outside -1..E-1 is recorded (once) and its slot ignored.
 static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool count,
-                          const layout_smem &s, int *mine)
+                          const layout_smem &s, int *mine, bool totals = false)
 {
     const int R = a.R, El = a.El, tid = threadIdx.x, S = gridDim.x, b = blockIdx.x;
     const long long E = (long long)El * R * a.N, first = (long long)a.rank0 * El;
@@ -139,8 +147,11 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
         for (int j = tid; j < R * El; j += blockDim.x)
             if (s.cnt[j])
                 atomicAdd(&mine[(size_t)L * LW + (j / El) * (El + 1) + 1 + j % El], s.cnt[j]);
-    for (int d = tid; d < R; d += blockDim.x)
+    for (int d = tid; d < R; d += blockDim.x) {
         a.block_counts[((size_t)L * S + b) * R + d] = s.run[d];
+        if (totals && s.run[d]) /* the blocks' own layout: the list's totals summed here too */
+            atomicAdd(&mine[(size_t)L * LW + (size_t)d * (El + 1)], s.run[d]);
+    }
     __syncthreads();
 }
 
@@ -157,16 +168,13 @@ __device__ __forceinline__ void rebase_list(const hep_kargs &a, int L, int t, co
 }
 
 // Block 0, call e: publish this rank's counts (own list totals from s.tot; with N > 1 the
-// other nodes' slots' count blocks, sent ahead of their rows), wait for every node-mate's,
-// then derive the row bases (meta), what this rank receives and its tokens per expert.
+// other nodes' slots' count blocks, sent ahead of their rows) and release COUNTS_READY = e.
 // Returns false when a wait gave up (the record is filled).
-static __device__ bool layout_publish(const hep_kargs &a, unsigned long long e, const layout_smem &s)
+static __device__ bool publish_counts(const hep_kargs &a, unsigned long long e, const layout_smem &s)
 {
     const int R = a.R, El = a.El, N = a.N, tid = threadIdx.x;
-    const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     const size_t LW = (size_t)R * (El + 1), par = (size_t)(e & 1) * N * LW;
     int *mine = a.counts[a.local] + par;
-    const int NR = N * R;
 
     for (int d = tid; d < R; d += blockDim.x)
         mine[(size_t)a.node * LW + (size_t)d * (El + 1)] = s.tot[d];
@@ -190,17 +198,31 @@ static __device__ bool layout_publish(const hep_kargs &a, unsigned long long e, 
         st_release_peers(a, a.flags[a.local] + HEP_FLAG_COUNTS_READY, e);
     }
     LTRACE(5);
-    bool ok = true;
-    if (tid < R)
-        ok = wait_mate(a, a.flags[tid] + HEP_FLAG_COUNTS_READY, e, HEP_STAGE_PREPROCESS, tid);
-    if (!block_all(ok))
-        return false;
-    LTRACE(6);
+    return true;
+}
 
-    // Row base of list L at destination d: the rows there of every source (L2, s2) before
-    // (L, this rank), sources in [list][local rank] order: a warp's scan per destination.
-    for (int d = warp; d < R; d += nwarps) {
-        int base = 0;
+// Every node-mate published its counts of call e (threads tid < R wait one each).
+__device__ __forceinline__ bool wait_counts(const hep_kargs &a, unsigned long long e)
+{
+    bool ok = true;
+    if ((int)threadIdx.x < a.R)
+        ok = wait_mate(a, a.flags[threadIdx.x] + HEP_FLAG_COUNTS_READY, e, HEP_STAGE_PREPROCESS,
+                       (int)threadIdx.x);
+    return block_all(ok);
+}
+
+// Row base of list L at destination d, base[L * R + d]: the rows there of every source
+// (L2, s2) before (L, this rank), sources in [list][local rank] order; tot[d] gets
+// destination d's rows of all sources. A warp's scan per destination, from the published
+// counts of call e. (No barrier: the caller's next one orders them; the warps past R go on.)
+__device__ __forceinline__ void row_bases(const hep_kargs &a, unsigned long long e, int *base,
+                                          int *tot)
+{
+    const int R = a.R, El = a.El, N = a.N, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const size_t LW = (size_t)R * (El + 1), par = (size_t)(e & 1) * N * LW;
+    const int NR = N * R;
+    for (int d = warp; d < R; d += (int)(blockDim.x >> 5)) {
+        int b0 = 0;
         for (int q0 = 0; q0 < NR; q0 += 32) {
             const int q = q0 + lane;
             const int c = q < NR ? ld_l2(a.counts[q % R] + par + (size_t)(q / R) * LW +
@@ -214,12 +236,95 @@ static __device__ bool layout_publish(const hep_kargs &a, unsigned long long e, 
                     x += y;
             }
             if (q < NR && q % R == a.local)
-                a.meta[(q / R) * R + d] = base + x - c;
-            base += __shfl_sync(FULL, x, 31);
+                base[(q / R) * R + d] = b0 + x - c;
+            b0 += __shfl_sync(FULL, x, 31);
         }
-        if (lane == 0) /* s.tot was published above: now destination d's rows */
-            s.tot[d] = base;
+        if (lane == 0)
+            tot[d] = b0;
     }
+}
+
+// The first destination whose rows (tot, of all N lists) exceed the receive capacity, or -1:
+// every rank of the node sees the same counts, so every rank (and every block) takes the
+// same decision.
+__device__ __forceinline__ int over_capacity(const hep_kargs &a, const int *tot)
+{
+    if (a.cap)
+        for (int d = 0; d < a.R; d++)
+            if (tot[d] > a.cap)
+                return d;
+    return -1;
+}
+
+// The blocks' own layout, when nothing is pushed (over the capacity): block b's positions
+// of its own tokens made rank-wide in place (plus s.pre), as push_token makes them.
+__device__ __forceinline__ void rebase_own(const hep_kargs &a, const layout_smem &s)
+{
+    int t0, t1;
+    block_range(a.t, blockIdx.x, gridDim.x, t0, t1);
+    if (blockIdx.x != 0)
+        rebase_positions(a.dest_rows + (size_t)a.node * a.T * a.R, t0, t1, a.R, s.pre);
+}
+
+// One node, rank-major (the blocks' own layout): this block arrives at the rank's grid
+// counter after its scan added its counts to the published ones; the last block to arrive
+// (every block's counts are in) publishes COUNTS_READY = e. No block waits here.
+__device__ __forceinline__ void arrive_publish(const hep_kargs &a, unsigned long long e)
+{
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence(); /* this block's counts before its arrival */
+        const unsigned long long n = atomicAdd(a.grid_arrive, 1ull) + 1;
+        if (n == e * gridDim.x) { /* the last: every block read the epoch and arrived */
+            *a.epoch = e;
+            fence_peers(a);
+            st_release_peers(a, a.flags[a.local] + HEP_FLAG_COUNTS_READY, e);
+        }
+    }
+}
+
+// One node, rank-major, once every node-mate published its counts of call e: s.pre[d] =
+// this rank's rows at destination d from the blocks before this one, s.base[d] the own
+// list's row base there, s.tot[d] destination d's rows of all sources (and s.recv zeroed).
+// One warp a destination, both sums' loads in flight together.
+__device__ void own_layout(const hep_kargs &a, unsigned long long e, const layout_smem &s)
+{
+    const int R = a.R, El = a.El, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int b = blockIdx.x;
+    const size_t par = (size_t)(e & 1) * R * (El + 1);
+    for (int d = warp; d < R; d += (int)(blockDim.x >> 5)) {
+        int p = 0;
+        for (int q = lane; q < b; q += 32)
+            p += ld_l2(a.block_counts + (size_t)q * R + d);
+        const int c = lane < R ? ld_l2(a.counts[lane] + par + (size_t)d * (El + 1)) : 0;
+        int x = c; /* inclusive scan over the sources (R <= 32 local ranks) */
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            int y = __shfl_up_sync(FULL, x, o);
+            if (lane >= o)
+                x += y;
+        }
+        p = warp_sum(p);
+        if (lane == a.local)
+            s.base[d] = x - c;
+        if (lane == 31)
+            s.tot[d] = x;
+        if (lane == 0)
+            s.pre[d] = p;
+    }
+    for (int j = threadIdx.x; j <= El; j += blockDim.x)
+        s.recv[j] = 0;
+    __syncthreads();
+}
+
+// Block 0, once the row bases and destination totals (s.tot) are known: what this rank
+// receives and its tokens per expert (s.recv, the outputs), the other parity of the counts
+// zeroed for call e + 1, and the capacity's outcome.
+static __device__ void layout_finish(const hep_kargs &a, unsigned long long e, const layout_smem &s)
+{
+    const int R = a.R, El = a.El, N = a.N, tid = threadIdx.x;
+    const size_t LW = (size_t)R * (El + 1), par = (size_t)(e & 1) * N * LW;
+    const int NR = N * R;
     // What this rank receives (j = 0) and per local expert (j > 0): every source's counts
     // at this rank, one load per (source, j) pair across the block.
     for (int k = tid; k < (El + 1) * NR; k += blockDim.x) {
@@ -235,19 +340,11 @@ static __device__ bool layout_publish(const hep_kargs &a, unsigned long long e, 
     for (int j = tid; j < N * (int)LW; j += blockDim.x)
         a.counts[a.local][(size_t)((e + 1) & 1) * N * LW + j] = 0;
     __syncthreads();
-    // The receive capacity: every rank of the node sees every destination's rows (of all N
-    // lists: its own tokens and every slot) in the same counts, so every rank of the node
-    // takes the same decision; the first destination over it is named. Blocking: nothing
-    // is received on this node (across nodes the host then agrees with the other nodes,
-    // backend_gpu.c). a.drop: the rows below it are (push_token drops the others, in every
-    // list; tokens per expert are summed again once the sources arrived).
-    int over = -1;
-    if (a.cap)
-        for (int d = 0; d < R; d++)
-            if (s.tot[d] > a.cap) {
-                over = d;
-                break;
-            }
+    // Over the capacity: blocking, nothing is received on this node (across nodes the host
+    // then agrees with the other nodes, backend_gpu.c). a.drop: the rows below it are
+    // (push_token drops the others, in every list; tokens per expert are summed again once
+    // the sources arrived).
+    const int over = over_capacity(a, s.tot);
     const int need = s.tot[a.local];
     for (int j = tid; j <= El; j += blockDim.x) {
         if (over >= 0 && !a.drop)
@@ -274,6 +371,18 @@ static __device__ bool layout_publish(const hep_kargs &a, unsigned long long e, 
     }
     __syncthreads();
     LTRACE(8);
+}
+
+// Block 0, call e: publish this rank's counts, wait for every node-mate's, then derive the
+// row bases (meta), what this rank receives and its tokens per expert. Returns false when a
+// wait gave up (the record is filled).
+static __device__ bool layout_publish(const hep_kargs &a, unsigned long long e, const layout_smem &s)
+{
+    if (!publish_counts(a, e, s) || !wait_counts(a, e))
+        return false;
+    LTRACE(6);
+    row_bases(a, e, a.meta, s.tot); /* s.tot was published above: now destination d's rows */
+    layout_finish(a, e, s);
     return true;
 }
 
