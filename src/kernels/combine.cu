@@ -115,7 +115,8 @@ static_assert(COMBINE_THREADS >= HEP_GPU_MAX_NODES, "one thread per node (tid < 
 template <bool EM, bool NODES, bool WHOLE>
 __device__ __forceinline__ bool own_token(const hep_kargs &a, const char *const *s_x,
                                           const float *const *s_pin, unsigned long long c, int i,
-                                          size_t rb, int mybase, const char *parts)
+                                          size_t rb, int mybase, const char *parts,
+                                          int pos = NO_POS)
 {
     uint4 *out = (uint4 *)((char *)a.combine_out + (size_t)i * rb);
     if (NODES && !own_wait(a, i, c))
@@ -123,7 +124,7 @@ __device__ __forceinline__ bool own_token(const hep_kargs &a, const char *const 
     if (EM)
         em_combine_row(a, s_x, a.node, i, out, parts);
     else
-        combine_own(a, s_x, i, mybase, out, parts);
+        combine_own(a, s_x, i, mybase, out, parts, pos);
     if (NODES && a.probs_out) { /* read before the chunks are freed */
         if (EM)
             em_combine_probs_token(a, s_pin, i);
@@ -140,17 +141,21 @@ __device__ __forceinline__ bool own_token(const hep_kargs &a, const char *const 
 // nodes a token waits for the chunks of its partial sums and frees them once read. The
 // owning warps: all of them on one node and across nodes with WHOLE rings (after they
 // reduced), the last COMBINE_THREADS / 32 - RED_WARPS of each block across nodes otherwise.
+// On one node, rank-major, each grab's positions are loaded together, the next grab's while
+// the first token of this one is summed, and the first grab's (first_pos) and the row bases
+// (mybase) by the caller, ahead of its waits.
 template <bool EM, bool NODES, bool WHOLE>
 __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const *s_x,
                                            const float *const *s_pin, unsigned long long c,
-                                           int first_grab)
+                                           int first_grab, const int *first_pos, int mybase)
 {
-    const int R = a.R, lane = threadIdx.x & 31, S = gridDim.x, b = blockIdx.x;
+    if (NODES) /* one node: loaded by the caller */
+        mybase = (threadIdx.x & 31) < a.R ? ld_l2(a.meta + a.node * a.R + (threadIdx.x & 31)) : 0;
+    const int lane = threadIdx.x & 31, S = gridDim.x, b = blockIdx.x;
     const int wpb = blockDim.x >> 5, warp = threadIdx.x >> 5;
     const int skip = NODES && !WHOLE ? RED_WARPS : 0;
     const int gw = b * (wpb - skip) + warp - skip, nw = S * (wpb - skip);
     const size_t rb = (size_t)a.H * 2;
-    const int mybase = lane < R ? ld_l2(a.meta + a.node * R + lane) : 0;
     const char *parts = NODES ? a.part_token : NULL;
 #ifdef HEP_STATIC_TOKENS
     int w0, w1;
@@ -159,7 +164,7 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
         if (!own_token<EM, NODES, WHOLE>(a, s_x, s_pin, c, i, rb, mybase, parts))
             return false;
     }
-    (void)first_grab;
+    (void)first_grab, (void)first_pos;
 #else
     // Every warp of the rank takes the next GRAB own tokens from the rank's work counter
     // until none are left, so that no warp idles while another still has rows: the rank
@@ -168,16 +173,45 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
     // positions are the dispatch's, complete before this kernel.)
     unsigned *work = a.work + HEP_WORK_COMBINE;
     int next = __shfl_sync(FULL, first_grab, 0);
-    while (next < a.t) {
-        const int i0 = next;
-        int pending = 0;
-        if (lane == 0)
-            pending = (int)atomicAdd(work, GRAB);
-        for (int i = i0; i < min(a.t, i0 + GRAB); i++) {
-            if (!own_token<EM, NODES, WHOLE>(a, s_x, s_pin, c, i, rb, mybase, parts))
-                return false;
+    if (!EM && !NODES) {
+        int pos[GRAB];
+#pragma unroll
+        for (int g = 0; g < GRAB; g++)
+            pos[g] = first_pos[g];
+        while (next < a.t) {
+            const int i0 = next;
+            int pending = 0, npos[GRAB];
+            if (lane == 0)
+                pending = (int)atomicAdd(work, GRAB);
+#pragma unroll
+            for (int g = 0; g < GRAB; g++) {
+                if (i0 + g < a.t &&
+                    !own_token<EM, NODES, WHOLE>(a, s_x, s_pin, c, i0 + g, rb, mybase, parts, pos[g]))
+                    return false;
+                if (g == 0) { /* the next grab (asked for above) and its positions, together */
+                    next = __shfl_sync(FULL, pending, 0);
+#pragma unroll
+                    for (int h = 0; h < GRAB; h++)
+                        npos[h] = own_pos(a, next + h);
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < GRAB; g++)
+                pos[g] = npos[g];
         }
-        next = __shfl_sync(FULL, pending, 0);
+    } else {
+        (void)first_pos;
+        while (next < a.t) {
+            const int i0 = next;
+            int pending = 0;
+            if (lane == 0)
+                pending = (int)atomicAdd(work, GRAB);
+            for (int i = i0; i < min(a.t, i0 + GRAB); i++) {
+                if (!own_token<EM, NODES, WHOLE>(a, s_x, s_pin, c, i, rb, mybase, parts))
+                    return false;
+            }
+            next = __shfl_sync(FULL, pending, 0);
+        }
     }
 #endif
     if (!NODES && a.probs_out) {
@@ -217,7 +251,22 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
         lane == 0 && owns && !WHOLE ? (int)atomicAdd(a.work + HEP_WORK_COMBINE, GRAB) : 0;
 #else
     const int first_grab = 0;
-    (void)lane;
+#endif
+    /* one node: the row bases and (rank-major) the first grab's positions, the dispatch's
+     * (complete before this kernel), loaded now so that their round trips hide behind the
+     * waits too (across nodes they would hold registers through the reduction) */
+    const int mybase = !NODES && lane < R ? ld_l2(a.meta + a.node * R + lane) : 0;
+    int first_pos[GRAB];
+#pragma unroll
+    for (int g = 0; g < GRAB; g++)
+        first_pos[g] = NO_POS;
+#ifndef HEP_STATIC_TOKENS
+    if (!EM && !NODES) {
+        const int fg = __shfl_sync(FULL, first_grab, 0);
+#pragma unroll
+        for (int g = 0; g < GRAB; g++)
+            first_pos[g] = own_pos(a, fg + g);
+    }
 #endif
 
     if (NODES && b == 0 && tid < N && tid != a.node) {
@@ -265,7 +314,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
                                           s_cur[warp]))
             return;
     }
-    if (owns && !own_tokens<EM, NODES, WHOLE>(a, s_x, s_pin, c, first_grab))
+    if (owns && !own_tokens<EM, NODES, WHOLE>(a, s_x, s_pin, c, first_grab, first_pos, mybase))
         return;
     combine_done(a, c);
     if (EM && !a.em_stage) /* staged: the caller's memory was copied; k_em_stage_in of the

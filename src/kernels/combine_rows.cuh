@@ -174,15 +174,20 @@ __device__ __forceinline__ void copy_row(const uint4 *src, uint4 *out, size_t rb
 // copied (CV vectors a lane in flight); several rows are summed two at a time, four
 // vectors a lane each (bench/NOTES.md has the shapes tried; these fit 128 registers).
 // WIDE (N > 32, own tokens): the other nodes are counted a word of 32 at a time.
+// `pos`: lane d's position of the token at destination d, when the caller loaded it
+// ahead (else NO_POS: loaded here).
+#define NO_POS (-2)
 template <bool WIDE, int CU = 4, int CD = 2>
 __device__ __forceinline__ void combine_row(const hep_kargs &a, const char *const *s_x, int L,
-                                            int i, int mybase, uint4 *out, const char *parts)
+                                            int i, int mybase, uint4 *out, const char *parts,
+                                            int pos = NO_POS)
 {
     const int lane = threadIdx.x & 31, R = a.R;
     const size_t rb = (size_t)a.H * 2, T = (size_t)a.T;
     const int *np = a.node_pos + (size_t)i * a.N; /* the token's row in each node's slot */
     row_set rs;
-    const int pos = lane < R ? a.dest_rows[((size_t)L * T + i) * R + lane] : -1;
+    if (pos == NO_POS)
+        pos = lane < R ? a.dest_rows[((size_t)L * T + i) * R + lane] : -1;
     rs.row = pos >= 0 ? mybase + pos : -1;
     if (a.cap && rs.row >= a.cap)
         rs.row = -1; /* dropped at dispatch (HEP_ASYNC past the capacity): contributes 0 */
@@ -228,12 +233,20 @@ __device__ __forceinline__ void combine_row(const hep_kargs &a, const char *cons
 
 // An own token's row (N > 32: the wide count of the other nodes' partial sums).
 __device__ __forceinline__ void combine_own(const hep_kargs &a, const char *const *s_x, int i,
-                                            int mybase, uint4 *out, const char *parts)
+                                            int mybase, uint4 *out, const char *parts,
+                                            int pos = NO_POS)
 {
     if (a.N > 32)
-        combine_row<true>(a, s_x, a.node, i, mybase, out, parts);
+        combine_row<true>(a, s_x, a.node, i, mybase, out, parts, pos);
     else
-        combine_row<false>(a, s_x, a.node, i, mybase, out, parts);
+        combine_row<false>(a, s_x, a.node, i, mybase, out, parts, pos);
+}
+
+// Lane d's position of own token i at destination d (-1: none, or past the list).
+__device__ __forceinline__ int own_pos(const hep_kargs &a, int i)
+{
+    const int lane = threadIdx.x & 31;
+    return lane < a.R && i < a.t ? a.dest_rows[((size_t)a.node * a.T + i) * a.R + lane] : -1;
 }
 
 #endif // HEP_KERNELS_COMBINE_ROWS_CUH
