@@ -88,6 +88,7 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
     for (int j = tid; j < R; j += blockDim.x)
         s.run[j] = 0;
     __syncthreads();
+    LTRACE(10);
     for (int tile = t0; tile < t1; tile += blockDim.x) {
         const int i = tile + tid;
         unsigned mask = 0;
@@ -141,7 +142,17 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
                     atomicAdd(&s.cnt[d * El + ex], 1);
             }
         }
+#ifdef HEP_LAYOUT_TRACE
+        if (tile == t0) {
+            __syncwarp();
+            if (mask == 0xffffffffu)
+                s.wcnt[0] = 0; /* makes the stamp wait for the mask (tile_positions writes wcnt first) */
+            LTRACE(11);
+        }
+#endif
         tile_positions(mask, R, i < t1, a.dest_rows + ((size_t)L * T + i) * R, s.wcnt, s.run);
+        if (tile == t0)
+            LTRACE(12);
     }
     if (count)
         for (int j = tid; j < R * El; j += blockDim.x)
