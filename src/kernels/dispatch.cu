@@ -513,9 +513,11 @@ __device__ __forceinline__ void ltrace_print(const hep_kargs &a, bool self)
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         const long long *tr = hep_ltrace[(a.rank0 + a.local) & 63], c0 = tr[0], end = clock64();
         if (self)
-            printf("LTRACE rank %d S %d cycles (own layout): scan %lld arrive %lld mates %lld "
+            printf("LTRACE rank %d S %d cycles (own layout): scan %lld [zero %lld ids %lld "
+                   "positions %lld counts %lld] arrive %lld mates %lld "
                    "bases %lld | push %lld finish %lld arrive %lld\n",
-                   a.rank0 + a.local, gridDim.x, tr[1] - c0, tr[2] - tr[1], tr[6] - tr[2],
+                   a.rank0 + a.local, gridDim.x, tr[1] - c0, tr[10] - c0, tr[11] - tr[10],
+                   tr[12] - tr[11], tr[1] - tr[12], tr[2] - tr[1], tr[6] - tr[2],
                    tr[9] - tr[6], tr[7] - tr[9], tr[8] - tr[7], end - tr[8]);
         else
             printf("LTRACE rank %d S %d cycles: scan %lld barrier %lld rebase %lld tot %lld "
@@ -545,6 +547,19 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
      * destination compiles to constant-bank loads, which stall on every row pass */
     __shared__ char *s_x[HEP_GPU_MAX_LOCAL];
     __shared__ float *s_prob[HEP_GPU_MAX_LOCAL], *s_scale[HEP_GPU_MAX_LOCAL];
+    /* one node, rank-major: the first tile's routing ids fetched into L2 before anything
+     * else, so that their DRAM round trip overlaps the epoch's load and the tables' */
+    if (!EM && !NODES && !a.reuse) {
+        int t0, t1;
+        block_range(a.t, b, S, t0, t1);
+        const int i = t0 + tid;
+        if (i < t1) {
+            const size_t o = (size_t)i * a.K;
+            const void *p = a.index64 ? (const void *)((const long long *)a.topk_idx + o)
+                                      : (const void *)((const int *)a.topk_idx + o);
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+        }
+    }
     const unsigned long long e = *a.epoch + 1;
     block_start_jitter(a, e);
     for (int j = tid; j < R; j += blockDim.x) {
