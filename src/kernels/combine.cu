@@ -185,8 +185,9 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
                 pending = (int)atomicAdd(work, GRAB);
 #pragma unroll
             for (int g = 0; g < GRAB; g++) {
-                if (i0 + g < a.t &&
-                    !own_token<EM, NODES, WHOLE>(a, s_x, s_pin, c, i0 + g, rb, mybase, parts, pos[g]))
+                const int i = i0 + g;
+                if (i < a.t &&
+                    !own_token<EM, NODES, WHOLE>(a, s_x, s_pin, c, i, rb, mybase, parts, pos[g]))
                     return false;
                 if (g == 0) { /* the next grab (asked for above) and its positions, together */
                     next = __shfl_sync(FULL, pending, 0);

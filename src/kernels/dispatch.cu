@@ -216,7 +216,9 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
                           const int *base = NULL, const int *pre = NULL)
 {
     const int lane = threadIdx.x & 31;
-    const int mybase = lane >= a.R ? 0 : base ? base[L * a.R + lane] : ld_l2(a.meta + L * a.R + lane);
+    const int mybase = lane >= a.R ? 0
+                       : base      ? base[L * a.R + lane]
+                                   : ld_l2(a.meta + L * a.R + lane);
     int t0, t1;
     block_range(v.t, blockIdx.x, gridDim.x, t0, t1);
 #ifdef HEP_STRIDED_TOKENS

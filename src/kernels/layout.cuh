@@ -146,7 +146,7 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
         if (tile == t0) {
             __syncwarp();
             if (mask == 0xffffffffu)
-                s.wcnt[0] = 0; /* makes the stamp wait for the mask (tile_positions writes wcnt first) */
+                s.wcnt[0] = 0; /* the stamp waits for the mask (tile_positions writes wcnt first) */
             LTRACE(11);
         }
 #endif
@@ -181,7 +181,8 @@ __device__ __forceinline__ void rebase_list(const hep_kargs &a, int L, int t, co
 // Block 0, call e: publish this rank's counts (own list totals from s.tot; with N > 1 the
 // other nodes' slots' count blocks, sent ahead of their rows) and release COUNTS_READY = e.
 // Returns false when a wait gave up (the record is filled).
-static __device__ bool publish_counts(const hep_kargs &a, unsigned long long e, const layout_smem &s)
+static __device__ bool publish_counts(const hep_kargs &a, unsigned long long e,
+                                      const layout_smem &s)
 {
     const int R = a.R, El = a.El, N = a.N, tid = threadIdx.x;
     const size_t LW = (size_t)R * (El + 1), par = (size_t)(e & 1) * N * LW;
