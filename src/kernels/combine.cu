@@ -164,7 +164,7 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
         if (!own_token<EM, NODES, WHOLE>(a, s_x, s_pin, c, i, rb, mybase, parts))
             return false;
     }
-    (void)first_grab, (void)first_pos;
+    (void)first_grab, (void)first_pos, (void)lane;
 #else
     // Every warp of the rank takes the next GRAB own tokens from the rank's work counter
     // until none are left, so that no warp idles while another still has rows: the rank
