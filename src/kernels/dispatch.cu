@@ -534,6 +534,17 @@ __device__ __forceinline__ void ltrace_print(const hep_kargs &a, bool self)
 #endif
 }
 
+// The end of a rank-major dispatch: every block arrives at every destination, block 0
+// recounts what was kept when rows were dropped, and (trace builds) prints the layout's
+// cycles (`own`: the blocks' own layout).
+__device__ __forceinline__ void dispatch_end(const hep_kargs &a, unsigned long long e, bool own)
+{
+    arrive_all(a, e);
+    if (blockIdx.x == 0)
+        drop_recount(a, e);
+    ltrace_print(a, own);
+}
+
 // EM: the expert-major layout (kernels/expert_major.cuh); the rank-major kernel is the
 // EM = false instance, its loops untouched. NODES: N > 1 (the rings' code is in these
 // instances only, so that it takes no registers from the one-node instances).
@@ -634,10 +645,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
             layout_finish(a, e, s);
             layout_report(a, s, t_start, t_layout);
         }
-        arrive_all(a, e);
-        if (b == 0)
-            drop_recount(a, e);
-        ltrace_print(a, true);
+        dispatch_end(a, e, true);
         return;
     }
     scan_list(a, list_of(a, a.node), a.node, true, s, mine);
@@ -694,10 +702,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
     // any block forwards any chunk as it lands
     if (NODES && !ring_dispatch<false>(a, e, over, s, s_x, s_prob, s_scale, drop_base))
         return;
-    arrive_all(a, e);
-    if (b == 0)
-        drop_recount(a, e);
-    ltrace_print(a, false);
+    dispatch_end(a, e, false);
 }
 
 } // namespace hep_dispatch (hep_dispatch_bulk)
