@@ -240,13 +240,7 @@ __device__ __forceinline__ void row_bases(const hep_kargs &a, unsigned long long
             const int c = q < NR ? ld_l2(a.counts[q % R] + par + (size_t)(q / R) * LW +
                                          (size_t)d * (El + 1))
                                  : 0;
-            int x = c;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                int y = __shfl_up_sync(FULL, x, o);
-                if (lane >= o)
-                    x += y;
-            }
+            const int x = warp_scan(c);
             if (q < NR && q % R == a.local)
                 base[(q / R) * R + d] = b0 + x - c;
             b0 += __shfl_sync(FULL, x, 31);
@@ -309,13 +303,7 @@ __device__ void own_layout(const hep_kargs &a, unsigned long long e, const layou
         for (int q = lane; q < b; q += 32)
             p += ld_l2(a.block_counts + (size_t)q * R + d);
         const int c = lane < R ? ld_l2(a.counts[lane] + par + (size_t)d * (El + 1)) : 0;
-        int x = c; /* inclusive scan over the sources (R <= 32 local ranks) */
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            int y = __shfl_up_sync(FULL, x, o);
-            if (lane >= o)
-                x += y;
-        }
+        const int x = warp_scan(c); /* over the sources (R <= 32 local ranks) */
         p = warp_sum(p);
         if (lane == a.local)
             s.base[d] = x - c;

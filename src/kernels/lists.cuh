@@ -87,6 +87,19 @@ __device__ __forceinline__ void warp_range(int t0, int t1, int w, int nw, int &w
     w1 = min(t1, w0 + per);
 }
 
+// The inclusive prefix sum of v over the warp's lanes (lane k: lanes 0..k).
+__device__ __forceinline__ int warp_scan(int v)
+{
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        int y = __shfl_up_sync(FULL, v, o);
+        if (lane >= o)
+            v += y;
+    }
+    return v;
+}
+
 __device__ __forceinline__ int warp_sum(int v)
 {
 #pragma unroll
@@ -112,13 +125,7 @@ __device__ __forceinline__ void tile_positions(unsigned mask, int n, bool valid,
     __syncthreads();
     for (int d = warp; d < n; d += nwarps) {
         const int c = lane < nwarps ? wcnt[lane * n + d] : 0;
-        int x = c; /* inclusive scan over the warps */
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            int y = __shfl_up_sync(FULL, x, o);
-            if (lane >= o)
-                x += y;
-        }
+        const int x = warp_scan(c); /* over the warps */
         const int r = run[d];
         if (lane < nwarps)
             wcnt[lane * n + d] = r + x - c;
