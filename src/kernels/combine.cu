@@ -12,7 +12,7 @@
 #include "kernels/ring.cuh"
 
 #ifndef GRAB
-#define GRAB 2 /* own tokens a warp takes at a time */
+#define GRAB 1 /* own tokens a warp takes at a time */
 #endif
 #ifndef COMBINE_THREADS
 #define COMBINE_THREADS 512
@@ -166,39 +166,44 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
     }
     (void)first_grab, (void)first_pos, (void)lane;
 #else
-    // Every warp of the rank takes the next GRAB own tokens from the rank's work counter
-    // until none are left, so that no warp idles while another still has rows: the rank
+    // Every warp of the rank takes the next GRAB own tokens (one: bench/NOTES.md, session
+    // 12) from the rank's work counter until none are left, so that no warp idles while another still has rows: the rank
     // ends with its last token, not with its slowest block. The next grab is asked for
     // before the current tokens are summed, so its round trip hides behind them. (The
     // positions are the dispatch's, complete before this kernel.)
     unsigned *work = a.work + HEP_WORK_COMBINE;
+    /* one node: every warp's first grab is its own (k_combine), and rank-major its second
+     * too; the counter hands out the tokens after them */
+    const int handed = NODES ? 0 : !EM ? 2 * nw * GRAB : nw * GRAB;
     int next = __shfl_sync(FULL, first_grab, 0);
     if (!EM && !NODES) {
-        int pos[GRAB];
+        // two grabs ahead: the grab after this one is known (its positions in flight) while
+        // this one is summed, and the one after that asked for meanwhile; its second grab is
+        // also the warp's own (grab nw + w)
+        int pos[GRAB], npos[GRAB], nxt = next + nw * GRAB;
 #pragma unroll
-        for (int g = 0; g < GRAB; g++)
+        for (int g = 0; g < GRAB; g++) {
             pos[g] = first_pos[g];
+            npos[g] = own_pos(a, nxt + g);
+        }
         while (next < a.t) {
-            const int i0 = next;
-            int pending = 0, npos[GRAB];
+            int pending = 0;
             if (lane == 0)
-                pending = (int)atomicAdd(work, GRAB);
+                pending = handed + (int)atomicAdd(work, GRAB);
 #pragma unroll
             for (int g = 0; g < GRAB; g++) {
-                const int i = i0 + g;
+                const int i = next + g;
                 if (i < a.t &&
                     !own_token<EM, NODES, WHOLE>(a, s_x, s_pin, c, i, rb, mybase, parts, pos[g]))
                     return false;
-                if (g == 0) { /* the next grab (asked for above) and its positions, together */
-                    next = __shfl_sync(FULL, pending, 0);
-#pragma unroll
-                    for (int h = 0; h < GRAB; h++)
-                        npos[h] = own_pos(a, next + h);
-                }
             }
+            next = nxt;
+            nxt = __shfl_sync(FULL, pending, 0);
 #pragma unroll
-            for (int g = 0; g < GRAB; g++)
+            for (int g = 0; g < GRAB; g++) {
                 pos[g] = npos[g];
+                npos[g] = own_pos(a, nxt + g);
+            }
         }
     } else {
         (void)first_pos;
@@ -206,7 +211,7 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
             const int i0 = next;
             int pending = 0;
             if (lane == 0)
-                pending = (int)atomicAdd(work, GRAB);
+                pending = handed + (int)atomicAdd(work, GRAB);
             for (int i = i0; i < min(a.t, i0 + GRAB); i++) {
                 if (!own_token<EM, NODES, WHOLE>(a, s_x, s_pin, c, i, rb, mybase, parts))
                     return false;
@@ -246,10 +251,13 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     if (tid < R)
         s_x[tid] = a.x[tid];
 #ifndef HEP_STATIC_TOKENS
-    /* the first grab of own tokens, asked for now: its round trip hides behind the waits */
-    /* (WHOLE: asked for after the reduction, which holds no register for it) */
-    int first_grab =
-        lane == 0 && owns && !WHOLE ? (int)atomicAdd(a.work + HEP_WORK_COMBINE, GRAB) : 0;
+    /* the first grab of own tokens: on one node the warp's own, tokens
+     * [w GRAB, (w + 1) GRAB) of warp w, with no round trip before its positions; else asked
+     * for now, so that its round trip hides behind the waits (WHOLE: asked for after the
+     * reduction, which holds no register for it) */
+    int first_grab = !NODES                     ? (b * wpb + warp) * GRAB
+                     : lane == 0 && owns && !WHOLE ? (int)atomicAdd(a.work + HEP_WORK_COMBINE, GRAB)
+                                                   : 0;
 #else
     const int first_grab = 0;
 #endif
