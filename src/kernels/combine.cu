@@ -167,10 +167,11 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
     (void)first_grab, (void)first_pos, (void)lane;
 #else
     // Every warp of the rank takes the next GRAB own tokens (one: bench/NOTES.md, session
-    // 12) from the rank's work counter until none are left, so that no warp idles while another still has rows: the rank
-    // ends with its last token, not with its slowest block. The next grab is asked for
-    // before the current tokens are summed, so its round trip hides behind them. (The
-    // positions are the dispatch's, complete before this kernel.)
+    // 12) from the rank's work counter until none are left, so that no warp idles while
+    // another still has rows: the rank ends with its last token, not with its slowest
+    // block. The next grab is asked for before the current tokens are summed, so its round
+    // trip hides behind them. (The positions are the dispatch's, complete before this
+    // kernel.)
     unsigned *work = a.work + HEP_WORK_COMBINE;
     /* one node: every warp's first grab is its own (k_combine), and rank-major its second
      * too; the counter hands out the tokens after them */
@@ -255,9 +256,11 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
      * [w GRAB, (w + 1) GRAB) of warp w, with no round trip before its positions; else asked
      * for now, so that its round trip hides behind the waits (WHOLE: asked for after the
      * reduction, which holds no register for it) */
-    int first_grab = !NODES                     ? (b * wpb + warp) * GRAB
-                     : lane == 0 && owns && !WHOLE ? (int)atomicAdd(a.work + HEP_WORK_COMBINE, GRAB)
-                                                   : 0;
+    int first_grab = 0;
+    if (!NODES)
+        first_grab = (b * wpb + warp) * GRAB;
+    else if (lane == 0 && owns && !WHOLE)
+        first_grab = (int)atomicAdd(a.work + HEP_WORK_COMBINE, GRAB);
 #else
     const int first_grab = 0;
 #endif
