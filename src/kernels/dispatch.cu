@@ -205,15 +205,30 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
     }
 }
 
-// Block b's warps push its tokens of list L, each warp consecutive tokens of the block's
-// share. (Taking tokens from a rank-wide counter was tried: a warp may then push a token
-// of another block before that block made its positions rank-wide, which needs one more
-// grid barrier, and it gained nothing measurable for dispatch; bench/NOTES.md.) The row
-// bases are block 0's (meta), or with `base` the block's own (shared memory), its
-// positions then made rank-wide by `pre` as they are pushed.
+// Block b's warps push its tokens of list L. With plain stores (the build where
+// node-mates share this GPU, a token going to up to R of them) warp w takes the block's
+// token w first, then the block's next untaken one from the shared counter `grab` (zero
+// before the call; one call a kernel), so that warps whose tokens have fewer destinations
+// take more tokens: the block ends with its warps, not with its slowest warp's fixed share
+// (eight ranks: FP8 dispatch 3% faster, BF16 1%). With bulk stores (one rank a GPU) each
+// warp takes consecutive tokens of the block's share: the counter was 40% slower there at
+// 16 SMs (bench/NOTES.md, "Session 13"). Across nodes (GRAB false) the split is kept: the
+// counter there was within that path's noise. DISPATCH_GRAB overrides the choice (tuning).
+// (Taking tokens from a rank-wide counter was tried: a warp may then push a token of
+// another block before that block made its positions rank-wide, which needs one more
+// grid barrier.) The row bases are block 0's (meta), or with `base` the block's own
+// (shared memory), its positions then made rank-wide by `pre` as they are pushed.
+#ifndef DISPATCH_GRAB
+#ifdef HEP_BULK_STORES
+#define DISPATCH_GRAB 0
+#else
+#define DISPATCH_GRAB 1
+#endif
+#endif
+template <bool GRAB = DISPATCH_GRAB>
 __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const *s_x,
-                          float *const *s_prob, float *const *s_scale, int *drop_cnt = NULL,
-                          const int *base = NULL, const int *pre = NULL)
+                          float *const *s_prob, float *const *s_scale, int *grab,
+                          int *drop_cnt = NULL, const int *base = NULL, const int *pre = NULL)
 {
     const int lane = threadIdx.x & 31;
     const int mybase = lane >= a.R ? 0
@@ -221,14 +236,25 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
                                    : ld_l2(a.meta + L * a.R + lane);
     int t0, t1;
     block_range(v.t, blockIdx.x, gridDim.x, t0, t1);
+    if (GRAB) {
+        const int nw = blockDim.x >> 5;
+        for (int i = t0 + (threadIdx.x >> 5); i < t1;) {
+            push_token(a, v, L, i, i, mybase, s_x, s_prob, s_scale, drop_cnt, pre);
+            int k = 0;
+            if (lane == 0)
+                k = atomicAdd(grab, 1);
+            i = t0 + nw + __shfl_sync(FULL, k, 0);
+        }
+    } else {
 #ifdef HEP_STRIDED_TOKENS
-    for (int i = t0 + (threadIdx.x >> 5); i < t1; i += blockDim.x >> 5)
+        for (int i = t0 + (threadIdx.x >> 5); i < t1; i += blockDim.x >> 5)
 #else
-    int w0, w1;
-    warp_range(t0, t1, threadIdx.x >> 5, blockDim.x >> 5, w0, w1);
-    for (int i = w0; i < w1; i++)
+        int w0, w1;
+        warp_range(t0, t1, threadIdx.x >> 5, blockDim.x >> 5, w0, w1);
+        for (int i = w0; i < w1; i++)
 #endif
-        push_token(a, v, L, i, i, mybase, s_x, s_prob, s_scale, drop_cnt, pre);
+            push_token(a, v, L, i, i, mybase, s_x, s_prob, s_scale, drop_cnt, pre);
+    }
     bulk_wait_all(); /* HEP_BULK_STORES: the list's copies are done (and their stage read) */
 }
 
@@ -492,8 +518,8 @@ __device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool ove
     if (EM && !over) /* also the node-mates' outputs into s_x, s_prob, s_scale */
         em_push<RING_DU>(a, s, s_x, s_prob, s_scale);
     else if (!over)
-        push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale,
-                  drop_at(a, drop_base, a.node));
+        push_list<false>(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, NULL,
+                         drop_at(a, drop_base, a.node));
     for (int k = 0; k < steps; k++) {
         for (int m = 0; k > 0 && m < N; m++)
             if (m != a.node && !send_chunk(a, m, k + P - 1, ring_chunks(cout[m], C), cout[m], e))
@@ -560,6 +586,9 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
      * destination compiles to constant-bank loads, which stall on every row pass */
     __shared__ char *s_x[HEP_GPU_MAX_LOCAL];
     __shared__ float *s_prob[HEP_GPU_MAX_LOCAL], *s_scale[HEP_GPU_MAX_LOCAL];
+    __shared__ int s_grab; /* push_list's token counter (DISPATCH_GRAB) */
+    if (tid == 0)
+        s_grab = 0; /* the layout step's barriers (grid_arrive's too) come before push_list */
     /* one node, rank-major: the first tile's routing ids fetched into L2 before anything
      * else, so that their DRAM round trip overlaps the epoch's load and the tables' */
     if (!EM && !NODES && !a.reuse) {
@@ -607,7 +636,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
             if (EM)
                 em_push(a, s, s_x, s_prob, s_scale);
             else
-                push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale);
+                push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, &s_grab);
         }
         arrive_all(a, e);
         return;
@@ -635,8 +664,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         const unsigned long long t_layout = now_ns();
         LTRACE(9);
         if (!over)
-            push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, a.drop ? mine : NULL,
-                      s.base, s.pre);
+            push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, &s_grab,
+                      a.drop ? mine : NULL, s.base, s.pre);
         else /* nothing pushed: the positions still made rank-wide, for the handle */
             rebase_own(a, s);
         if (b == 0) {
@@ -697,7 +726,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
     // (a.drop: each list's dropped rows come off this rank's counts of that list)
     int *drop_base = a.drop ? mine : NULL;
     if (!NODES && !over)
-        push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, drop_base); /* list 0 */
+        push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, &s_grab,
+                  drop_base); /* list 0 */
     // across nodes each slot token's positions are its sender's offsets (no scan here), so
     // any block forwards any chunk as it lands
     if (NODES && !ring_dispatch<false>(a, e, over, s, s_x, s_prob, s_scale, drop_base))
