@@ -9,6 +9,8 @@ trap 'rm -rf "$tmp"' EXIT
 fail=0
 for v in "dispatch_bulk.cu HEP_STRIDED_TOKENS" "dispatch_bulk.cu HEP_LAYOUT_TRACE" \
          "dispatch.cu DISPATCH_GRAB=0" "dispatch_bulk.cu DISPATCH_GRAB=1" \
+         "dispatch.cu DISPATCH_RGRAB=0" "dispatch_bulk.cu DISPATCH_RGRAB=1" \
+         "dispatch.cu HEP_BLOCK_TRACE" \
          "dispatch.cu HEP_STREAMING_STORES" "dispatch.cu HEP_LAYOUT_TRACE" "dispatch.cu DU=8" \
          "combine.cu HEP_STATIC_TOKENS" "combine.cu HEP_STREAMING_LOADS"; do
   set -- $v

@@ -10,7 +10,7 @@
 //     at every destination; block 0 waits for every source's S arrivals.
 #include <cuda_runtime.h>
 #include <stdint.h>
-#ifdef HEP_LAYOUT_TRACE
+#if defined(HEP_LAYOUT_TRACE) || defined(HEP_BLOCK_TRACE)
 #include <cstdio>
 #endif
 
@@ -142,7 +142,8 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
     // the token's positions, slots, weights and scales are loaded together, before any of
     // them is used: one memory round trip ahead of the row's loads, not three in a row
     int *drow = a.dest_rows + ((size_t)L * T + i) * R;
-    int pos = lane >= R ? -1 : v.off ? __ldcg(v.off + (size_t)vi * R + lane) : drow[lane];
+    /* (L2: with a rank-wide token counter another block's scan wrote them) */
+    int pos = lane >= R ? -1 : __ldcg(v.off ? v.off + (size_t)vi * R + lane : drow + lane);
     if (pre && pos >= 0) {
         pos += pre[lane];
         drow[lane] = pos;
@@ -205,19 +206,33 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
     }
 }
 
-// Block b's warps push its tokens of list L. With plain stores (the build where
-// node-mates share this GPU, a token going to up to R of them) warp w takes the block's
-// token w first, then the block's next untaken one from the shared counter `grab` (zero
-// before the call; one call a kernel), so that warps whose tokens have fewer destinations
-// take more tokens: the block ends with its warps, not with its slowest warp's fixed share
-// (eight ranks: FP8 dispatch 3% faster, BF16 1%). With bulk stores (one rank a GPU) each
-// warp takes consecutive tokens of the block's share: the counter was 40% slower there at
-// 16 SMs (bench/NOTES.md, "Session 13"). Across nodes (GRAB false) the split is kept: the
-// counter there was within that path's noise. DISPATCH_GRAB overrides the choice (tuning).
-// (Taking tokens from a rank-wide counter was tried: a warp may then push a token of
-// another block before that block made its positions rank-wide, which needs one more
-// grid barrier.) The row bases are block 0's (meta), or with `base` the block's own
-// (shared memory), its positions then made rank-wide by `pre` as they are pushed.
+// Block b's warps push tokens of list L, in one of three ways (bench/NOTES.md, sessions 13
+// and 14, has what each gave):
+//  - `pre_all` (plain stores, one node, rank-major: the build where node-mates share this
+//    GPU, a token going to up to R of them): the rank's warps share its tokens through the
+//    counter HEP_WORK_DISPATCH. Warp g of the grid (b x warps + w) takes token g first,
+//    then token W + k (W warps in all) for each k the counter gives it after a push, so
+//    that the rank ends with its last warp, not with its slowest block: blocks of equal
+//    tokens took from 0.61 to 0.93 ms at eight ranks x 16 SMs (HEP_BLOCK_TRACE). A token's
+//    positions are its own block's, made rank-wide by pre_all[its block] (own_layout) as
+//    it is pushed. The kernel's last block resets the counter (work_done).
+//  - GRAB (plain stores otherwise): warp w takes the block's token w first, then the
+//    block's next untaken one from the shared counter `grab` (zero before the call; one
+//    call a kernel).
+//  - otherwise each warp takes consecutive tokens of the block's share: with bulk stores
+//    (one rank a GPU) either counter was slower (40% at 16 SMs for the block's, 10% for the
+//    rank's), and across nodes (GRAB false) the block's counter was within that path's
+//    noise.
+// DISPATCH_RGRAB and DISPATCH_GRAB override the choices (tuning). The row bases are block
+// 0's (meta), or with `base` the block's own (shared memory), its positions then made
+// rank-wide by `pre` as they are pushed.
+#ifndef DISPATCH_RGRAB
+#ifdef HEP_BULK_STORES
+#define DISPATCH_RGRAB 0
+#else
+#define DISPATCH_RGRAB 1
+#endif
+#endif
 #ifndef DISPATCH_GRAB
 #ifdef HEP_BULK_STORES
 #define DISPATCH_GRAB 0
@@ -228,7 +243,8 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
 template <bool GRAB = DISPATCH_GRAB>
 __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const *s_x,
                           float *const *s_prob, float *const *s_scale, int *grab,
-                          int *drop_cnt = NULL, const int *base = NULL, const int *pre = NULL)
+                          int *drop_cnt = NULL, const int *base = NULL, const int *pre = NULL,
+                          const int *pre_all = NULL)
 {
     const int lane = threadIdx.x & 31;
     const int mybase = lane >= a.R ? 0
@@ -236,7 +252,18 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
                                    : ld_l2(a.meta + L * a.R + lane);
     int t0, t1;
     block_range(v.t, blockIdx.x, gridDim.x, t0, t1);
-    if (GRAB) {
+    if (pre_all) {
+        const int nw = blockDim.x >> 5, W = gridDim.x * nw;
+        const int chunk = (v.t + gridDim.x - 1) / gridDim.x; /* block_range's */
+        for (int i = blockIdx.x * nw + (threadIdx.x >> 5); i < v.t;) {
+            push_token(a, v, L, i, i, mybase, s_x, s_prob, s_scale, drop_cnt,
+                       pre_all + (size_t)(i / chunk) * a.R);
+            unsigned k = 0;
+            if (lane == 0)
+                k = atomicAdd(a.work + HEP_WORK_DISPATCH, 1u);
+            i = W + (int)__shfl_sync(FULL, k, 0);
+        }
+    } else if (GRAB) {
         const int nw = blockDim.x >> 5;
         for (int i = t0 + (threadIdx.x >> 5); i < t1;) {
             push_token(a, v, L, i, i, mybase, s_x, s_prob, s_scale, drop_cnt, pre);
@@ -560,6 +587,24 @@ __device__ __forceinline__ void ltrace_print(const hep_kargs &a, bool self)
 #endif
 }
 
+// HEP_BLOCK_TRACE (a measurement build, one node, rank-major): every block's thread 0
+// prints the global timer at its entry, at the start of its push, when its first and last
+// warp finished pushing, and at its end, one line a block and call.
+#ifdef HEP_BLOCK_TRACE
+#define BTRACE(k) (threadIdx.x == 0 ? (void)(bt[k] = now_ns()) : (void)0)
+#define BTRACE_WARP()                                                                      \
+    do {                                                                                   \
+        if ((threadIdx.x & 31) == 0) {                                                     \
+            const unsigned long long t_ = now_ns();                                        \
+            atomicMin(&bt_w[0], t_);                                                       \
+            atomicMax(&bt_w[1], t_);                                                       \
+        }                                                                                  \
+    } while (0)
+#else
+#define BTRACE(k) ((void)0)
+#define BTRACE_WARP() ((void)0)
+#endif
+
 // The end of a rank-major dispatch: every block arrives at every destination, block 0
 // recounts what was kept when rows were dropped, and (trace builds) prints the layout's
 // cycles (`own`: the blocks' own layout).
@@ -602,6 +647,13 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
             asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
         }
     }
+#ifdef HEP_BLOCK_TRACE
+    unsigned long long bt[4] = {0, 0, 0, 0};
+    __shared__ unsigned long long bt_w[2];
+    if (tid == 0)
+        bt_w[0] = ~0ull, bt_w[1] = 0;
+#endif
+    BTRACE(0);
     const unsigned long long e = *a.epoch + 1;
     block_start_jitter(a, e);
     for (int j = tid; j < R; j += blockDim.x) {
@@ -659,15 +711,22 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         if (!wait_counts(a, e))
             return;
         LTRACE(6);
-        own_layout(a, e, s);
+        /* the rank-wide token counter (push_list) where every block's s.pre fits the
+         * scan's scratch (s.pkey, gkey and gcnt: the expert-major layout's only) */
+        int *pre_all = DISPATCH_RGRAB && S * R <= 3 * (int)blockDim.x ? s.pkey : NULL;
+        own_layout(a, e, s, pre_all);
         const bool over = over_capacity(a, s.tot) >= 0 && !a.drop;
         const unsigned long long t_layout = now_ns();
         LTRACE(9);
+        BTRACE(1);
         if (!over)
             push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, &s_grab,
-                      a.drop ? mine : NULL, s.base, s.pre);
+                      a.drop ? mine : NULL, s.base, s.pre, pre_all);
         else /* nothing pushed: the positions still made rank-wide, for the handle */
             rebase_own(a, s);
+        BTRACE_WARP();
+        if (pre_all) /* the last block done with the counter resets it for the next call */
+            work_done(a.work + HEP_WORK_DISPATCH, 1, a.work + HEP_WORK_DISPATCH_DONE);
         if (b == 0) {
             for (int d = tid; d < R; d += blockDim.x)
                 a.meta[d] = s.base[d];
@@ -675,6 +734,13 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
             layout_report(a, s, t_start, t_layout);
         }
         dispatch_end(a, e, true);
+#ifdef HEP_BLOCK_TRACE
+        BTRACE(3);
+        __syncthreads();
+        if (tid == 0)
+            printf("BTRACE %llu %d %d %llu %llu %llu %llu %llu\n", e, a.rank0 + a.local, b, bt[0],
+                   bt[1], bt_w[0], bt_w[1], bt[3]);
+#endif
         return;
     }
     scan_list(a, list_of(a, a.node), a.node, true, s, mine);

@@ -95,7 +95,9 @@
  * warp takes, and the combine blocks that finished (the last one resets both). */
 #define HEP_WORK_COMBINE 0
 #define HEP_WORK_COMBINE_DONE 1
-#define HEP_WORK_WORDS 2
+#define HEP_WORK_DISPATCH 2      /* dispatch's rank-wide token counter (push_list) */
+#define HEP_WORK_DISPATCH_DONE 3 /* its blocks done with it: the last one resets both */
+#define HEP_WORK_WORDS 4
 
 /* A handle's expert-major words (device ints): rows written (padding included), 1 if rows
  * went past the budget, token rows dropped; then from HEP_EM_WORDS, per local expert e,

@@ -292,12 +292,18 @@ __device__ __forceinline__ void arrive_publish(const hep_kargs &a, unsigned long
 // One node, rank-major, once every node-mate published its counts of call e: s.pre[d] =
 // this rank's rows at destination d from the blocks before this one, s.base[d] the own
 // list's row base there, s.tot[d] destination d's rows of all sources (and s.recv zeroed).
-// One warp a destination, both sums' loads in flight together.
-__device__ void own_layout(const hep_kargs &a, unsigned long long e, const layout_smem &s)
+// One warp a destination, both sums' loads in flight together. With `pre_all` ([S][R]
+// shared memory) also every block's s.pre: pre_all[q * R + d] = the rows at destination d
+// of the blocks before block q (a rank-wide token counter pushes any block's tokens).
+__device__ void own_layout(const hep_kargs &a, unsigned long long e, const layout_smem &s,
+                           int *pre_all = NULL)
 {
     const int R = a.R, El = a.El, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int b = blockIdx.x;
+    const int b = blockIdx.x, S = gridDim.x;
     const size_t par = (size_t)(e & 1) * R * (El + 1);
+    if (pre_all)
+        for (int k = threadIdx.x; k < S * R; k += blockDim.x)
+            pre_all[k] = ld_l2(a.block_counts + k);
     for (int d = warp; d < R; d += (int)(blockDim.x >> 5)) {
         int p = 0;
         for (int q = lane; q < b; q += 32)
@@ -314,6 +320,20 @@ __device__ void own_layout(const hep_kargs &a, unsigned long long e, const layou
     }
     for (int j = threadIdx.x; j <= El; j += blockDim.x)
         s.recv[j] = 0;
+    __syncthreads();
+    if (!pre_all)
+        return;
+    for (int d = warp; d < R; d += (int)(blockDim.x >> 5)) { /* exclusive, over the blocks */
+        int carry = 0;
+        for (int q0 = 0; q0 < S; q0 += 32) {
+            const int q = q0 + lane;
+            const int c = q < S ? pre_all[q * R + d] : 0;
+            const int x = warp_scan(c);
+            if (q < S)
+                pre_all[q * R + d] = carry + x - c;
+            carry += __shfl_sync(FULL, x, 31);
+        }
+    }
     __syncthreads();
 }
 
