@@ -21,4 +21,7 @@ cp -L "$(ldconfig -p | awk '/libcmocka.so.0 /{print $NF; exit}')" .gpu/lib/
 # the first-launch experiment of bench/gpu_check.sh firstlaunch (not part of the library)
 "${CUDACXX:-/usr/local/cuda/bin/nvcc}" -O2 -gencode=arch=compute_90,code=sm_90 \
   -o .gpu/first_launch bench/first_launch.cu
+# the row-traffic experiment of bench/gpu_check.sh scatter
+"${CUDACXX:-/usr/local/cuda/bin/nvcc}" -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -diag-suppress 128 \
+  -o .gpu/scatter bench/scatter.cu
 du -sh .gpu

@@ -23,6 +23,9 @@
 #     training API's GPU tests run in `test`) (not part of `all`: name it)
 #   profile: Nsight Compute on the one-rank dispatch and combine at PROFILE_SMS (16) SMs: the
 #     speed-of-light, memory, warp-state and scheduler sections (not part of `all`: name it)
+#   scatter: bench/scatter.cu, the eight-rank dispatch's row traffic as one kernel, per store
+#     method at SCATTER_BLOCKS (32,64,128) blocks, BF16 and FP8, and Nsight Compute on the
+#     SCATTER_PROFILE modes (plain bulk) at 128 blocks (not part of `all`: name it)
 #   nodesms: the 2 x 4 and 4 x 2 benches (BF16) at NODE_SMS (8 12 16) SMs per rank: how the
 #     loopback NIC's copies fare with more SMs left free (not part of `all`: name it)
 #   firstcall: FIRSTCALL_RUNS (12) fresh processes of one test_gpu_train case (FIRSTCALL_FILTER,
@@ -139,6 +142,8 @@ if named nodesms; then
   } > "$OUT/bench_nodesms.txt" 2>&1
   grep -E '^===|^(dispatch|combine) |verified|loopback copies|rror|timed out' "$OUT/bench_nodesms.txt"
 fi
+# the stall reasons, cycles a warp waits per issued instruction on each (Nsight Compute)
+STALLS='^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$'
 if named profile; then
   {
     # Nsight Compute on one rank (profiling serializes kernels: co-dependent ranks cannot
@@ -153,14 +158,36 @@ if named profile; then
         timeout 240 "$NCU" --kernel-name "regex:$k" --launch-skip 24 --launch-count 1 \
           --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
           --section SchedulerStats --section Occupancy --section LaunchStats \
+          --metrics "regex:$STALLS" \
           $B/hybridep bench --ranks-per-node 1 --experts-per-rank 8 --topk 8 \
           --sms "${PROFILE_SMS:-16}" --iters 20 --warmup 10
         echo "ncu $k exit: $?"
       done
     fi
   } > "$OUT/profile.txt" 2>&1
-  grep -E "^===|exit|Throughput|Stall|Warp Cycles|Issued|Eligible|Active Warps|Duration|Grid Size|not profiled" \
-    "$OUT/profile.txt" | head -60
+  grep -E "^===|exit|Throughput|Stall|stalled|Warp Cycles|Issued|Eligible|Active Warps|Duration|Grid Size|not profiled" \
+    "$OUT/profile.txt" | head -120
+fi
+if named scatter; then
+  {
+    # bench/scatter.cu: the eight-rank dispatch's row traffic as one kernel (no layout, no
+    # flags), against the same blocks' copy; then where its warps wait (Nsight Compute)
+    step "scatter: BF16 rows, SCATTER_BLOCKS (${SCATTER_BLOCKS:-32,64,128}) blocks"
+    "$B/scatter" --blocks "${SCATTER_BLOCKS:-32,64,128}" --iters 20
+    step "scatter: FP8 rows"
+    "$B/scatter" --blocks "${SCATTER_BLOCKS:-32,64,128}" --iters 20 --esize 1
+    NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
+    for m in ${SCATTER_PROFILE-plain bulk}; do
+      [ -n "$NCU" ] || { echo "scatter: no ncu on this machine: not profiled"; break; }
+      step "ncu scatter $m, 128 blocks"
+      timeout 120 "$NCU" --kernel-name regex:k_scatter --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --metrics "regex:$STALLS" "$B/scatter" --blocks 128 --modes "$m" --iters 3
+      echo "ncu scatter $m exit: $?"
+    done
+  } > "$OUT/scatter.txt" 2>&1
+  grep -E "^===|^scatter|^mode|^[a-z0-9]+ +[0-9]+ +[0-9.]+ |exit|Throughput|Duration|stalled" \
+    "$OUT/scatter.txt" | head -150
 fi
 if want mpi; then
   step "mpirun -np 8: the GPU backend, one process per rank (CUDA IPC), with and without MPS"
