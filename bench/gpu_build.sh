@@ -4,19 +4,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # GPU_BUILD_DEFS: compile definitions of the whole build, host and kernels (a tuning build
-# of another HEP_RING_DEPTH, e.g. GPU_BUILD_DEFS="HEP_RING_DEPTH=4"; move .gpu aside after)
+# of another HEP_RING_DEPTH, e.g. GPU_BUILD_DEFS="HEP_RING_DEPTH=4"; move .gpu aside after),
+# GPU_BUILD_DIR: its CMake folder (build/gpu; another keeps the main build's objects)
 defs=${GPU_BUILD_DEFS:-}
-cmake -S . -B build/gpu -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHEP_CUDA_ARCHS=90 -DHEP_WITH_MPI=OFF \
+dir=${GPU_BUILD_DIR:-build/gpu}
+cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHEP_CUDA_ARCHS=90 -DHEP_WITH_MPI=OFF \
   -DBUILD_TESTING=ON -DCMAKE_C_FLAGS="${defs:+-D${defs// / -D}}" \
   -DCMAKE_CUDA_FLAGS="${defs:+-D${defs// / -D}}" >/dev/null
-cmake --build build/gpu -j"$(nproc)" --target hybridep_cli hybridep test_gpu_ep test_gpu_train stress_internode >/dev/null
+cmake --build "$dir" -j"$(nproc)" --target hybridep_cli hybridep test_gpu_ep test_gpu_train stress_internode >/dev/null
 rm -rf .gpu && mkdir -p .gpu/lib .gpu/src
-cp build/gpu/tools/hybridep build/gpu/tests/test_gpu_ep build/gpu/tests/test_gpu_train \
-  build/gpu/tests/stress_internode .gpu/
+cp "$dir"/tools/hybridep "$dir"/tests/test_gpu_ep "$dir"/tests/test_gpu_train \
+  "$dir"/tests/stress_internode .gpu/
 # the command links libhybridep.so (found through LD_LIBRARY_PATH=.gpu/lib there); the
 # Python package's GPU run takes the library from .gpu/src (HEP_BUILD_DIR=.gpu)
-cp -L build/gpu/src/libhybridep.so.0.1 .gpu/lib/
-cp -L build/gpu/src/libhybridep.so.0.1 .gpu/src/libhybridep.so
+cp -L "$dir"/src/libhybridep.so.0.1 .gpu/lib/
+cp -L "$dir"/src/libhybridep.so.0.1 .gpu/src/libhybridep.so
 cp -L "$(ldconfig -p | awk '/libcmocka.so.0 /{print $NF; exit}')" .gpu/lib/
 # the first-launch experiment of bench/gpu_check.sh firstlaunch (not part of the library)
 "${CUDACXX:-/usr/local/cuda/bin/nvcc}" -O2 -gencode=arch=compute_90,code=sm_90 \

@@ -268,11 +268,11 @@ int hep_chunk_default(const hep_config *cfg, int nodes)
     if (cfg->backend == HEP_BACKEND_HOST)
         return HEP_CHUNK_DEFAULT_HOST;
     /* the send staging, the receive slots and the partial sums, T BF16 rows a node each:
-     * while they fit, two chunks of T / 2 (the ring holds the slot: no credit is waited for,
-     * and chunk 0 travels while chunk 1 is packed) */
+     * while they fit, HEP_RING_DEPTH chunks of T / HEP_RING_DEPTH (the ring holds the slot:
+     * no credit is waited for, and chunk 0 travels while the next ones are packed) */
     if (nodes > 1 && 3.0 * (nodes - 1) * (double)cfg->max_tokens * 2.0 * (double)cfg->hidden <=
                          (double)HEP_GPU_WHOLE_SLOT_BYTES)
-        return (cfg->max_tokens + 1) / 2;
+        return (cfg->max_tokens + HEP_RING_DEPTH - 1) / HEP_RING_DEPTH;
     c = nodes > 1 ? HEP_CHUNK_GPU_RING_TOKENS / (nodes - 1) : HEP_CHUNK_DEFAULT_GPU;
     return c < 8 ? 8 : c > HEP_CHUNK_DEFAULT_GPU ? HEP_CHUNK_DEFAULT_GPU : c;
 }
