@@ -109,16 +109,18 @@ static void plan_memory_targets_of_the_rings(void **state)
     assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
     assert_true(p.device_bytes > 4590000000u);
     /* where the slots (3 x (N - 1) x T BF16 rows) fit HEP_GPU_WHOLE_SLOT_BYTES the GPU's
-     * default is two chunks of T / 2, the whole slot: 2 x 4 and 4 x 2 (176 and 528 MB); at
-     * T = 16384 4 x 2 takes rings again (3584 / 3 tokens, at most 512) */
+     * default is HEP_RING_DEPTH chunks of T / HEP_RING_DEPTH (2048 at depth 2), the whole
+     * slot: 2 x 4 and 4 x 2 (176 and 528 MB); at T = 16384 4 x 2 takes rings again (3584 / 3
+     * tokens, at most 512) */
     c.chunk_tokens = HEP_CHUNK_DEFAULT;
     assert_int_equal(hep_plan_make(&c, 2, 4, &p), HEP_OK);
-    assert_int_equal(p.chunk, 2048);
-    assert_int_equal(p.ring, 2);
+    assert_int_equal(p.chunk, 4096 / HEP_RING_DEPTH);
+    assert_int_equal(p.ring, HEP_RING_DEPTH);
     assert_int_equal(p.slot_tokens, 4096);
     assert_int_equal(hep_plan_make(&c, 4, 2, &p), HEP_OK);
-    assert_int_equal(p.chunk, 2048);
-    assert_int_equal(p.ring, 2);
+    assert_int_equal(p.chunk, 4096 / HEP_RING_DEPTH);
+    assert_int_equal(p.ring, HEP_RING_DEPTH);
+    assert_int_equal(p.slot_tokens, 4096);
     c.max_tokens = 16384;
     assert_int_equal(hep_plan_make(&c, 4, 2, &p), HEP_OK);
     assert_int_equal(p.chunk, HEP_CHUNK_DEFAULT_GPU); /* 3584 / 3, at most 512 */
