@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # GPU_BUILD_DEFS: compile definitions of the whole build, host and kernels (a tuning build
-# of another HEP_RING_DEPTH, e.g. GPU_BUILD_DEFS="HEP_RING_DEPTH=4"; move .gpu aside after),
+# of another HEP_RING_POSITIONS, e.g. GPU_BUILD_DEFS="HEP_RING_POSITIONS=4"; move .gpu aside
+# after),
 # GPU_BUILD_DIR: its CMake folder (build/gpu; another keeps the main build's objects)
 defs=${GPU_BUILD_DEFS:-}
 dir=${GPU_BUILD_DIR:-build/gpu}

@@ -109,17 +109,17 @@ static void plan_memory_targets_of_the_rings(void **state)
     assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
     assert_true(p.device_bytes > 4590000000u);
     /* where the slots (3 x (N - 1) x T BF16 rows) fit HEP_GPU_WHOLE_SLOT_BYTES the GPU's
-     * default is HEP_RING_DEPTH chunks of T / HEP_RING_DEPTH (2048 at depth 2), the whole
+     * default is HEP_RING_POSITIONS chunks of T / HEP_RING_POSITIONS (2048 at 2), the whole
      * slot: 2 x 4 and 4 x 2 (176 and 528 MB); at T = 16384 4 x 2 takes rings again (3584 / 3
      * tokens, at most 512) */
     c.chunk_tokens = HEP_CHUNK_DEFAULT;
     assert_int_equal(hep_plan_make(&c, 2, 4, &p), HEP_OK);
-    assert_int_equal(p.chunk, 4096 / HEP_RING_DEPTH);
-    assert_int_equal(p.ring, HEP_RING_DEPTH);
+    assert_int_equal(p.chunk, 4096 / HEP_RING_POSITIONS);
+    assert_int_equal(p.ring, HEP_RING_POSITIONS);
     assert_int_equal(p.slot_tokens, 4096);
     assert_int_equal(hep_plan_make(&c, 4, 2, &p), HEP_OK);
-    assert_int_equal(p.chunk, 4096 / HEP_RING_DEPTH);
-    assert_int_equal(p.ring, HEP_RING_DEPTH);
+    assert_int_equal(p.chunk, 4096 / HEP_RING_POSITIONS);
+    assert_int_equal(p.ring, HEP_RING_POSITIONS);
     assert_int_equal(p.slot_tokens, 4096);
     c.max_tokens = 16384;
     assert_int_equal(hep_plan_make(&c, 4, 2, &p), HEP_OK);
@@ -281,11 +281,11 @@ static void plan_gpu_128_nodes_of_8_ranks(void **state)
     /* [node][T][R] + [T][N] + [132 blocks][N] positions; [N][132 blocks][R] block counts */
     assert_int_equal(p.buf[HEP_BUF_HANDLE_ROWS].bytes, (16 * 1024 + 16 * 128 + 132 * 128) * 4);
     /* then the pack's [T][N][R] offsets, [132 blocks][N][R] counts of them, [N][T] slot
-     * lists, the rings' counters, [2 phases][3][N][2 positions], and the expert-major
-     * places [T][K] and the blocks' counts per expert [132 blocks][W E_l] */
+     * lists, the rings' counters, [2 phases][3][N][HEP_RING_DEPTH positions], and the
+     * expert-major places [T][K] and the blocks' counts per expert [132 blocks][W E_l] */
     assert_int_equal(p.buf[HEP_BUF_HANDLE_BLOCKS].bytes,
-                     (132 * 1024 + 16 * 1024 + 132 * 1024 + 128 * 16 + 2 * 3 * 128 * 2 + 16 * 8 +
-                      132 * 1024 * 2) *
+                     (132 * 1024 + 16 * 1024 + 132 * 1024 + 128 * 16 +
+                      2 * 3 * 128 * HEP_RING_DEPTH + 16 * 8 + 132 * 1024 * 2) *
                          4);
     /* counts double-buffered: [2][N][R][E_l + 1] */
     assert_int_equal(p.buf[HEP_BUF_COUNTS].bytes, 2 * 128 * 8 * 3 * 4);

@@ -116,10 +116,11 @@
  * [ST][kmax] places. */
 #define HEP_GPU_ROUTE_WORDS(K, R) (3 * (K) + (R))
 
-/* The inter-node receive slots as a ring of chunks (both backends). A slot holds P =
- * HEP_RING_DEPTH chunk positions of C tokens
- * (layout/plan.c); chunk k of a call (its tokens [kC, kC + C) in slot order) lands in
- * position k % P. After the count blocks, each flags buffer has, in words (B = 3N + N cb):
+/* The inter-node receive slots as a ring of chunks (both backends). A slot holds P chunk
+ * positions of C tokens, P <= HEP_RING_DEPTH (layout/plan.c: plan.chunk and ring; on the
+ * GPU combine may cut the same slot into more, smaller chunks, plan.cchunk and cring);
+ * chunk k of a call (its tokens [kC, kC + C) in slot order) lands in position k % P.
+ * After the count blocks, each flags buffer has, in words (B = 3N + N cb; P its phase's):
  *  [B, B + N): sender side (dispatch.attn_input_flags, combine.attn_output_flags), word
  *    B + m: the credit from node m's peer, HEP_RING_VAL(e, chunks of my slot it freed);
  *    receiver side (the *_group_flags), word B + s: HEP_RING_VAL(e, chunks of slot s that
@@ -128,8 +129,26 @@
  *    of the chunk in position p (it also is that chunk's ready word for the proxy);
  *    receiver side, word B + N + s: the source of the credit for slot s (the chunks freed).
  * Values carry the call e above 24 bits (T / C < 2^24 chunks), so they grow across calls. */
-#ifndef HEP_RING_DEPTH /* positions of a ring, at most (a tuning build may set another) */
-#define HEP_RING_DEPTH 2
+/* The positions of a slot's ring (fewer where they cover T), which also sizes the slot:
+ * P x C rows. The GPU's default whole slot is HEP_RING_POSITIONS chunks of
+ * ceil(T / HEP_RING_POSITIONS); more chunks a slot slowed the GPU dispatch at 4 x 2 nodes
+ * (2.7 -> 2.9 ms with 4). A tuning build may set another. */
+#ifndef HEP_RING_POSITIONS
+#define HEP_RING_POSITIONS 2
+#endif
+/* The chunks of the GPU combine's whole-slot ring, over the same slot bytes as dispatch's
+ * (plan.c takes it only where they fit): smaller chunks land sooner, so the owners of the
+ * tokens start summing earlier (2 x 4 nodes: 1.31 -> 1.25 ms with 4). */
+#ifndef HEP_COMBINE_CHUNKS
+#define HEP_COMBINE_CHUNKS 4
+#endif
+/* The room of the words and counters kept per ring position (HEP_PX_RING, the ring
+ * counters): at least the positions of any ring of either phase. */
+#ifndef HEP_RING_DEPTH
+#define HEP_RING_DEPTH 4
+#endif
+#if HEP_RING_POSITIONS > HEP_RING_DEPTH || HEP_COMBINE_CHUNKS > HEP_RING_DEPTH
+#error "HEP_RING_DEPTH must hold HEP_RING_POSITIONS and HEP_COMBINE_CHUNKS positions"
 #endif
 #define HEP_RING_VAL(e, k) (((unsigned long long)(e) << 24) | (unsigned long long)(k))
 #define HEP_RING_WORD(N, cb) (3 * (N) + (N) * (cb))
@@ -249,8 +268,10 @@ typedef struct hep_kargs {
     unsigned long long *combine_done;/* combine blocks that finished the partial sums */
     unsigned long long *count_done;  /* pack blocks that added their count blocks */
     unsigned long long *grid_arrive2;/* dispatch blocks that scanned the other nodes' slots */
-    int ST, C, P;                    /* N > 1: a slot's rows P x C, tokens per chunk, ring
-                                        positions (plan.slot_tokens, chunk, ring) */
+    int ST, C, P;                    /* N > 1: a slot's rows (at least P x C), tokens per
+                                        chunk, ring positions of the phase launched
+                                        (plan.slot_tokens; dispatch: plan.chunk, ring;
+                                        combine: plan.cchunk, cring) */
     int *slot_list;                  /* [N][T]: the own token at each row of node m's slot */
     int *ring_ctr;                   /* HEP_RING_CTR_WORDS(N) (above) */
     int *pack_off;                   /* [T][N][R]: an own token's offset among this rank's

@@ -260,19 +260,20 @@ static void plan_internode(plan_ctx *x, const hep_config *c, size_t esize, size_
 }
 
 /* The inter-node slots' ring, on both backends: chunks of C = config.chunk_tokens tokens
- * (HEP_CHUNK_DEFAULT: the backend's default; 0: one chunk of T), HEP_RING_DEPTH of them, or
- * fewer where they cover T. */
+ * (HEP_CHUNK_DEFAULT: the backend's default; 0: one chunk of T), HEP_RING_POSITIONS of
+ * them, or fewer where they cover T. */
 int hep_chunk_default(const hep_config *cfg, int nodes)
 {
     int c;
     if (cfg->backend == HEP_BACKEND_HOST)
         return HEP_CHUNK_DEFAULT_HOST;
     /* the send staging, the receive slots and the partial sums, T BF16 rows a node each:
-     * while they fit, HEP_RING_DEPTH chunks of T / HEP_RING_DEPTH (the ring holds the slot:
-     * no credit is waited for, and chunk 0 travels while the next ones are packed) */
+     * while they fit, HEP_RING_POSITIONS chunks of T / HEP_RING_POSITIONS (the ring holds
+     * the slot: no credit is waited for, and chunk 0 travels while the next ones are
+     * packed) */
     if (nodes > 1 && 3.0 * (nodes - 1) * (double)cfg->max_tokens * 2.0 * (double)cfg->hidden <=
                          (double)HEP_GPU_WHOLE_SLOT_BYTES)
-        return (cfg->max_tokens + HEP_RING_DEPTH - 1) / HEP_RING_DEPTH;
+        return (cfg->max_tokens + HEP_RING_POSITIONS - 1) / HEP_RING_POSITIONS;
     c = nodes > 1 ? HEP_CHUNK_GPU_RING_TOKENS / (nodes - 1) : HEP_CHUNK_DEFAULT_GPU;
     return c < 8 ? 8 : c > HEP_CHUNK_DEFAULT_GPU ? HEP_CHUNK_DEFAULT_GPU : c;
 }
@@ -286,7 +287,7 @@ static void ring_shape(const hep_config *c, hep_plan *p)
     const int C = want > 0 && want < T ? want : T;
     const int need = (T + C - 1) / C;
     p->chunk = C;
-    p->ring = need < HEP_RING_DEPTH ? need : HEP_RING_DEPTH;
+    p->ring = need < HEP_RING_POSITIONS ? need : HEP_RING_POSITIONS;
     p->slot_tokens = (size_t)p->ring * (size_t)C;
 }
 
