@@ -1,7 +1,8 @@
 /* A fuzz target for the buffer plan and the configuration check: any bytes become a
  * configuration and a shape; either the call refuses it with HEP_ERR_INVALID and a
- * message, or the plan it returns is within the backend's limits, its buffers are aligned,
- * inside their arenas and apart unless aliased, and its sizes add up.
+ * message, or the plan it returns is within the backend's limits, its rings' shapes fit
+ * their slots, its buffers are aligned, inside their arenas and apart unless aliased, and
+ * its sizes add up.
  * Built two ways: with clang -fsanitize=fuzzer (define HEP_LIBFUZZER) for libFuzzer, and
  * with any C compiler as a deterministic random loop (AFL-style mutations of a few
  * seeds) bounded by HEP_FUZZ_SECONDS (default 3), which CI runs. */
@@ -35,6 +36,16 @@ static void check_plan(const hep_config *c, const hep_plan *p, int nodes, int R)
         p->max_recv_rows != (c->max_recv_rows ? (size_t)c->max_recv_rows
                                               : (size_t)p->world * (size_t)c->max_tokens) ||
         p->max_recv_rows > (size_t)p->world * (size_t)c->max_tokens || p->device_bytes != dev)
+        abort();
+    /* the rings: dispatch's sizes the slot; combine's lies in the same slot, holds it whole
+     * exactly where dispatch's does (the kernels pick their WHOLE instances by it), and
+     * differs only on the GPU */
+    if (p->ring < 1 || p->ring > HEP_RING_POSITIONS || p->cring < 1 || p->cring > HEP_RING_DEPTH ||
+        p->slot_tokens != (size_t)p->ring * (size_t)p->chunk ||
+        (size_t)p->cring * (size_t)p->cchunk > p->slot_tokens ||
+        ((size_t)p->cring * (size_t)p->cchunk >= (size_t)c->max_tokens) !=
+            (p->slot_tokens >= (size_t)c->max_tokens) ||
+        (c->backend == HEP_BACKEND_HOST && (p->cchunk != p->chunk || p->cring != p->ring)))
         abort();
     for (int i = 0; i < HEP_BUF_COUNT; i++) {
         const hep_plan_buffer *b = &p->buf[i];

@@ -104,27 +104,59 @@ static void plan_memory_targets_of_the_rings(void **state)
     assert_int_equal(p.chunk, HEP_CHUNK_DEFAULT_GPU);
     assert_int_equal(p.ring, 2);
     assert_int_equal(p.slot_tokens, 1024);
+    assert_int_equal(p.cchunk, p.chunk); /* a ring that wraps: one shape for both phases */
+    assert_int_equal(p.cring, p.ring);
     assert_true(p.device_bytes <= 4000000000u);
     c.chunk_tokens = 0;
     assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
     assert_true(p.device_bytes > 4590000000u);
     /* where the slots (3 x (N - 1) x T BF16 rows) fit HEP_GPU_WHOLE_SLOT_BYTES the GPU's
      * default is HEP_RING_POSITIONS chunks of T / HEP_RING_POSITIONS (2048 at 2), the whole
-     * slot: 2 x 4 and 4 x 2 (176 and 528 MB); at T = 16384 4 x 2 takes rings again (3584 / 3
-     * tokens, at most 512) */
+     * slot: 2 x 4 and 4 x 2 (176 and 528 MB), which combine cuts into HEP_COMBINE_CHUNKS
+     * chunks of T / HEP_COMBINE_CHUNKS (1024 at 4); at T = 16384 4 x 2 takes rings again
+     * (3584 / 3 tokens, at most 512), the same for both phases */
     c.chunk_tokens = HEP_CHUNK_DEFAULT;
     assert_int_equal(hep_plan_make(&c, 2, 4, &p), HEP_OK);
     assert_int_equal(p.chunk, 4096 / HEP_RING_POSITIONS);
     assert_int_equal(p.ring, HEP_RING_POSITIONS);
+    assert_int_equal(p.cchunk, 4096 / HEP_COMBINE_CHUNKS);
+    assert_int_equal(p.cring, HEP_COMBINE_CHUNKS);
     assert_int_equal(p.slot_tokens, 4096);
     assert_int_equal(hep_plan_make(&c, 4, 2, &p), HEP_OK);
     assert_int_equal(p.chunk, 4096 / HEP_RING_POSITIONS);
     assert_int_equal(p.ring, HEP_RING_POSITIONS);
+    assert_int_equal(p.cchunk, 4096 / HEP_COMBINE_CHUNKS);
+    assert_int_equal(p.cring, HEP_COMBINE_CHUNKS);
     assert_int_equal(p.slot_tokens, 4096);
+    /* combine's flag sources, one a position of its ring, in its own flags buffers */
+    assert_int_equal(p.buf[HEP_BUF_C_OUT_FLAGS].bytes - p.buf[HEP_BUF_D_ATTN_FLAGS].bytes,
+                     4 * (HEP_COMBINE_CHUNKS - HEP_RING_POSITIONS) * 8);
+    assert_int_equal(p.buf[HEP_BUF_C_GROUP_FLAGS].bytes, p.buf[HEP_BUF_C_OUT_FLAGS].bytes);
+    /* the same chunks set by hand are the caller's: one shape for both phases */
+    c.chunk_tokens = 4096 / HEP_RING_POSITIONS;
+    assert_int_equal(hep_plan_make(&c, 4, 2, &p), HEP_OK);
+    assert_int_equal(p.chunk, 4096 / HEP_RING_POSITIONS);
+    assert_int_equal(p.cchunk, p.chunk);
+    assert_int_equal(p.cring, p.ring);
+    c.chunk_tokens = HEP_CHUNK_DEFAULT;
+    /* 4 x ceil(T / 4) rows must fit the slot of 2 x ceil(T / 2): at T = 4094 they do not
+     * (4 x 1024 > 4094), so combine keeps dispatch's chunks; at T = 4095 they do */
+    c.max_tokens = 4094;
+    assert_int_equal(hep_plan_make(&c, 4, 2, &p), HEP_OK);
+    assert_int_equal(p.slot_tokens, 4094);
+    assert_int_equal(p.cchunk, p.chunk);
+    assert_int_equal(p.cring, p.ring);
+    c.max_tokens = 4095;
+    assert_int_equal(hep_plan_make(&c, 4, 2, &p), HEP_OK);
+    assert_int_equal(p.slot_tokens, 4096);
+    assert_int_equal(p.cchunk, 1024);
+    assert_int_equal(p.cring, HEP_COMBINE_CHUNKS);
     c.max_tokens = 16384;
     assert_int_equal(hep_plan_make(&c, 4, 2, &p), HEP_OK);
     assert_int_equal(p.chunk, HEP_CHUNK_DEFAULT_GPU); /* 3584 / 3, at most 512 */
     assert_int_equal(p.ring, 2);
+    assert_int_equal(p.cchunk, p.chunk);
+    assert_int_equal(p.cring, p.ring);
     c.max_tokens = 4096;
     /* GPU at a capacity of 2 x the uniform mean: 1.11 GB for EP64; the default chunk
      * (3584 / (N - 1) tokens) keeps the rings' tokens the same at any node count: 1.12 GB
@@ -153,6 +185,10 @@ static void plan_memory_targets_of_the_rings(void **state)
     assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);
     assert_true(p.device_bytes <= 4000000000u);
     assert_int_equal(p.slot_tokens, 16);
+    /* the host backend has one shape for both phases, where the GPU's slot is whole too */
+    assert_int_equal(hep_plan_make(&c, 2, 4, &p), HEP_OK);
+    assert_int_equal(p.cchunk, HEP_CHUNK_DEFAULT_HOST);
+    assert_int_equal(p.cring, p.ring);
     /* an explicit value means the same on both backends */
     c.chunk_tokens = 8;
     assert_int_equal(hep_plan_make(&c, 8, 8, &p), HEP_OK);

@@ -203,9 +203,10 @@ static void plan_internode(plan_ctx *x, const hep_config *c, size_t esize, size_
                        : HEP_GPU_ROUTE_WORDS((size_t)c->max_topk, (size_t)p->ranks_per_node);
     /* flags buffers: count [N], flag [N], early-count flag [N], then per node the count
      * block (tokens per (local rank, expert) of its slot, R x (E_l + 1) i32) */
-    size_t fw = HEP_INTERNODE_FLAG_WORDS(N, HEP_COUNT_BLOCK_WORDS((size_t)p->ranks_per_node,
-                                                                 (size_t)c->experts_per_rank),
-                                         (size_t)p->ring);
+    const size_t cb = HEP_COUNT_BLOCK_WORDS((size_t)p->ranks_per_node, (size_t)c->experts_per_rank);
+    size_t fw = HEP_INTERNODE_FLAG_WORDS(N, cb, (size_t)p->ring);
+    /* combine's: a flag source for each position of its ring (cring, maybe more than ring) */
+    size_t cfw = HEP_INTERNODE_FLAG_WORDS(N, cb, (size_t)p->cring);
     const char *tok = c->dtype == HEP_DTYPE_FP8_E4M3 ? "fp8" : "bf16";
     int fp8 = c->dtype == HEP_DTYPE_FP8_E4M3;
 
@@ -239,11 +240,11 @@ static void plan_internode(plan_ctx *x, const hep_config *c, size_t esize, size_
         mul3(x, slots, Enode, 1), HEP_ARENA_LOCAL, 1);
     add(x, HEP_BUF_C_GROUP_TOKEN, "combine.rdma_inter_node_group_token", "combine", "bf16", 2,
         mul3(x, slots, H, 1), HEP_ARENA_LOCAL, 1);
-    add(x, HEP_BUF_C_GROUP_FLAGS, "combine.rdma_inter_node_group_flags", "combine", "u64", 8,
-        fw, HEP_ARENA_LOCAL, 1);
+    add(x, HEP_BUF_C_GROUP_FLAGS, "combine.rdma_inter_node_group_flags", "combine", "u64", 8, cfw,
+        HEP_ARENA_LOCAL, 1);
     add(x, HEP_BUF_C_GROUP_PROB, "combine.rdma_inter_node_group_prob", "combine", "f32", 4,
         mul3(x, slots, Enode, 1), HEP_ARENA_LOCAL, 1);
-    add(x, HEP_BUF_C_OUT_FLAGS, "combine.attn_output_flags", "combine", "u64", 8, fw,
+    add(x, HEP_BUF_C_OUT_FLAGS, "combine.attn_output_flags", "combine", "u64", 8, cfw,
         HEP_ARENA_LOCAL, 1);
     /* The send staging is read (by the NIC) during dispatch only; the combine receive
      * slots are written (by the peers) during combine only, and slot j of both is node j's:
@@ -259,6 +260,15 @@ static void plan_internode(plan_ctx *x, const hep_config *c, size_t esize, size_
     }
 }
 
+/* GPU, N > 1: whether the send staging, the receive slots and the partial sums, T BF16 rows
+ * a node each, fit HEP_GPU_WHOLE_SLOT_BYTES: the default ring then holds the whole slot. */
+static int gpu_whole_slot(const hep_config *cfg, int nodes)
+{
+    return cfg->backend != HEP_BACKEND_HOST && nodes > 1 &&
+           3.0 * (nodes - 1) * (double)cfg->max_tokens * 2.0 * (double)cfg->hidden <=
+               (double)HEP_GPU_WHOLE_SLOT_BYTES;
+}
+
 /* The inter-node slots' ring, on both backends: chunks of C = config.chunk_tokens tokens
  * (HEP_CHUNK_DEFAULT: the backend's default; 0: one chunk of T), HEP_RING_POSITIONS of
  * them, or fewer where they cover T. */
@@ -267,12 +277,10 @@ int hep_chunk_default(const hep_config *cfg, int nodes)
     int c;
     if (cfg->backend == HEP_BACKEND_HOST)
         return HEP_CHUNK_DEFAULT_HOST;
-    /* the send staging, the receive slots and the partial sums, T BF16 rows a node each:
-     * while they fit, HEP_RING_POSITIONS chunks of T / HEP_RING_POSITIONS (the ring holds
-     * the slot: no credit is waited for, and chunk 0 travels while the next ones are
+    /* while the slots fit, HEP_RING_POSITIONS chunks of T / HEP_RING_POSITIONS (the ring
+     * holds the slot: no credit is waited for, and chunk 0 travels while the next ones are
      * packed) */
-    if (nodes > 1 && 3.0 * (nodes - 1) * (double)cfg->max_tokens * 2.0 * (double)cfg->hidden <=
-                         (double)HEP_GPU_WHOLE_SLOT_BYTES)
+    if (gpu_whole_slot(cfg, nodes))
         return (cfg->max_tokens + HEP_RING_POSITIONS - 1) / HEP_RING_POSITIONS;
     c = nodes > 1 ? HEP_CHUNK_GPU_RING_TOKENS / (nodes - 1) : HEP_CHUNK_DEFAULT_GPU;
     return c < 8 ? 8 : c > HEP_CHUNK_DEFAULT_GPU ? HEP_CHUNK_DEFAULT_GPU : c;
@@ -289,6 +297,22 @@ static void ring_shape(const hep_config *c, hep_plan *p)
     p->chunk = C;
     p->ring = need < HEP_RING_POSITIONS ? need : HEP_RING_POSITIONS;
     p->slot_tokens = (size_t)p->ring * (size_t)C;
+    p->cchunk = p->chunk;
+    p->cring = p->ring;
+    /* The GPU's default whole slot: combine cuts the same rows into HEP_COMBINE_CHUNKS
+     * chunks of ceil(T / HEP_COMBINE_CHUNKS), whose owners start summing sooner, where they
+     * fit the slot (4 x ceil(T / 4) rows exceed the 2 x ceil(T / 2) of T % 4 = 1 or 2: the
+     * last chunk's extent would run past the slot). Still one position a chunk, so no
+     * credit is waited for. Any other ring keeps one shape for both phases. */
+    if (c->chunk_tokens == HEP_CHUNK_DEFAULT && gpu_whole_slot(c, p->nodes) &&
+        p->slot_tokens >= (size_t)T) {
+        const int cc = (T + HEP_COMBINE_CHUNKS - 1) / HEP_COMBINE_CHUNKS;
+        const int cn = (T + cc - 1) / cc;
+        if ((size_t)cn * (size_t)cc <= p->slot_tokens) {
+            p->cchunk = cc;
+            p->cring = cn;
+        }
+    }
 }
 
 int hep_plan_make(const hep_config *c, int nodes, int ranks_per_node, hep_plan *p)

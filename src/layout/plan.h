@@ -85,6 +85,10 @@ typedef struct hep_plan {
      * (slot_tokens = ring x chunk), both backends; ring = 1 and chunk = T is one chunk per
      * slot (config.chunk_tokens = 0, or >= T) */
     int chunk, ring;
+    /* combine's ring over the same slots: cring positions of cchunk tokens, cring x cchunk
+     * <= slot_tokens. The GPU's default whole slot takes HEP_COMBINE_CHUNKS smaller chunks
+     * where they fit; else (and on the host backend) chunk and ring. */
+    int cchunk, cring;
     size_t slot_tokens;
     size_t flag_words;              /* u64 counters in the flags buffer */
     hep_plan_buffer buf[HEP_BUF_COUNT];
