@@ -149,7 +149,10 @@ static int check_common(const wire_fixture *f, int phase, int n)
 static void check_ring(const wire_fixture *f, int phase, int n, uint64_t e, int kout, int em)
 {
     const hep_backend_ctx *g = &f->g;
-    const size_t ST = f->plan.slot_tokens, C = (size_t)f->plan.chunk, P = (size_t)f->plan.ring;
+    /* the phase's ring over the slots: combine's may have more, smaller chunks */
+    const size_t ST = f->plan.slot_tokens;
+    const size_t C = (size_t)(phase ? f->plan.cchunk : f->plan.chunk);
+    const size_t P = (size_t)(phase ? f->plan.cring : f->plan.ring);
     const size_t N = (size_t)g->N;
     const size_t cb = HEP_COUNT_BLOCK_WORDS((size_t)g->R, (size_t)f->cfg.experts_per_rank);
     int k = 0, mprev = -1, data = 0, flags = 0, places = 0;
@@ -265,7 +268,10 @@ static void wire_dispatch_batch_holds_the_kernels_ring_chunks_and_credits(void *
         {4, 1, 2, 0, 64, 1, 64, 0, HEP_DTYPE_BF16},
         {2, 2, 0, 1, 100, 0, 37, 0, HEP_DTYPE_FP8_E4M3},
         {2, 4, 1, 2, 100, 3, 100, 1, HEP_DTYPE_BF16},
-        {5, 2, 4, 0, 96, 48, 96, 0, HEP_DTYPE_BF16}};
+        {5, 2, 4, 0, 96, 48, 96, 0, HEP_DTYPE_BF16},
+        /* the GPU's default whole slot: dispatch's 2 chunks of 50 (of 49 at T = 98) */
+        {3, 2, 1, 0, 100, HEP_CHUNK_DEFAULT, 77, 0, HEP_DTYPE_BF16},
+        {2, 2, 0, 1, 98, HEP_CHUNK_DEFAULT, 98, 1, HEP_DTYPE_FP8_E4M3}};
     (void)state;
     for (size_t q = 0; q < sizeof(cases) / sizeof(cases[0]); q++) {
         static wire_fixture f;
@@ -295,14 +301,17 @@ static void wire_combine_batch_holds_the_kernels_ring_chunks_and_credits(void **
 {
     static const struct { int N, R, node, local, T, chunk, t, probs; } cases[] = {
         {3, 2, 1, 0, 100, 32, 70, 1}, {2, 4, 0, 2, 100, 32, 100, 0}, {4, 2, 3, 1, 64, 1, 5, 1},
-        {2, 2, 1, 1, 100, 0, 0, 0},   {3, 1, 0, 0, 96, 48, 96, 1}};
+        {2, 2, 1, 1, 100, 0, 0, 0},   {3, 1, 0, 0, 96, 48, 96, 1},
+        /* the GPU's default whole slot: combine's 4 chunks of 25 (2 of 49 at T = 98) */
+        {3, 2, 1, 0, 100, HEP_CHUNK_DEFAULT, 77, 1}, {2, 2, 0, 1, 99, HEP_CHUNK_DEFAULT, 99, 0},
+        {2, 2, 1, 1, 98, HEP_CHUNK_DEFAULT, 60, 1}};
     (void)state;
     for (size_t q = 0; q < sizeof(cases) / sizeof(cases[0]); q++) {
         static wire_fixture f;
         const uint64_t c = 3 + q;
         wire_setup(&f, cases[q].N, cases[q].R, cases[q].node, cases[q].local, cases[q].T,
                    cases[q].chunk, HEP_DTYPE_BF16);
-        const int C = f.plan.chunk, P = f.plan.ring;
+        const int C = f.plan.cchunk, P = f.plan.cring;
         const int kin = chunks(cases[q].T, C), kc = chunks(cases[q].t, C) - P;
         const int n = hep_wire_gpu_batch(&f.g, 1, c, cases[q].t, cases[q].probs, f.ch);
         assert_true((size_t)n <= hep_wire_gpu_batch_max(&f.g));
@@ -315,11 +324,57 @@ static void wire_combine_batch_holds_the_kernels_ring_chunks_and_credits(void **
     }
 }
 
+/* The GPU's default whole slot, one slot of T rows per other node: dispatch's ring has 2
+ * chunks of ceil(T / 2), combine's over the same rows 4 of ceil(T / 4) where they fit it
+ * (T = 100: 2 x 50 and 4 x 25 rows); at T = 98, 4 x 25 rows would run past the slot's 98,
+ * so combine keeps 2 x 49. Either way no credit (every chunk has its own position). */
+static void wire_combine_takes_its_own_chunks_of_the_whole_slot(void **state)
+{
+    static const struct { int T, dchunk, dring, cchunk, cring; } cases[] = {
+        {100, 50, 2, 25, 4}, {99, 50, 2, 25, 4}, {98, 49, 2, 49, 2}};
+    (void)state;
+    for (size_t q = 0; q < sizeof(cases) / sizeof(cases[0]); q++) {
+        static wire_fixture f;
+        const int T = cases[q].T;
+        wire_setup(&f, 2, 2, 1, 0, T, HEP_CHUNK_DEFAULT, HEP_DTYPE_BF16);
+        assert_int_equal(f.plan.chunk, cases[q].dchunk);
+        assert_int_equal(f.plan.ring, cases[q].dring);
+        assert_int_equal(f.plan.cchunk, cases[q].cchunk);
+        assert_int_equal(f.plan.cring, cases[q].cring);
+        assert_int_equal(f.plan.slot_tokens, (size_t)(cases[q].dchunk * cases[q].dring));
+        for (int phase = 0; phase < 2; phase++) {
+            const int C = phase ? cases[q].cchunk : cases[q].dchunk;
+            const int P = phase ? cases[q].cring : cases[q].dring;
+            const int lb = phase ? HEP_BUF_C_RED_TOKEN : HEP_BUF_D_ATTN_TOKEN;
+            const size_t rb = (size_t)f.cfg.hidden * 2;
+            const int n = hep_wire_gpu_batch(&f.g, phase, 5, T, 0, f.ch);
+            int k = 0;
+            assert_true((size_t)n <= hep_wire_gpu_batch_max(&f.g));
+            /* dispatch: count, count block, 4 rows' chunks and a flag a chunk, final flag;
+             * combine: arrival, the rows and a flag a chunk, final flag; no credits */
+            assert_int_equal(n, phase ? 2 + 2 * P : 3 + 5 * P);
+            assert_int_equal(check_common(&f, phase, n), 0);
+            check_ring(&f, phase, n, 5, P, 0);
+            for (int i = 0; i < n; i++) { /* the token rows: chunk k at row k C, C rows */
+                const hep_proxy_chunk *c = &f.ch[i];
+                if (!c->desc || buf_of_lkey(c->lkey) != lb)
+                    continue;
+                assert_int_equal(inside(&f, LBASE, lb, c->laddr, c->len), (size_t)k * C * rb);
+                assert_int_equal(c->len, (size_t)C * rb);
+                k++;
+            }
+            assert_int_equal(k, P);
+        }
+        wire_teardown(&f);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(wire_dispatch_batch_holds_the_kernels_ring_chunks_and_credits),
         cmocka_unit_test(wire_combine_batch_holds_the_kernels_ring_chunks_and_credits),
+        cmocka_unit_test(wire_combine_takes_its_own_chunks_of_the_whole_slot),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -68,16 +68,29 @@ hep_proxy_chunk hep_wire_flag(const hep_backend_ctx *g, int peer, int lid, size_
     return k;
 }
 
+/* A phase's ring over the slots (layout/plan.h): dispatch's chunk and ring; combine's may
+ * cut the same slot into more, smaller chunks (the GPU's default whole slot). */
+static int chunk_of(const hep_plan *p, int phase)
+{
+    return phase == 0 ? p->chunk : p->cchunk;
+}
+static int ring_of(const hep_plan *p, int phase)
+{
+    return phase == 0 ? p->ring : p->cring;
+}
+
 /* The GPU path's ring (kernels/ep_kernels.h, HEP_PX_*): chunk k of a ring to a peer, its
  * data from position p = k % P of local slot j to the same position of the peer's slot s, as
  * far as the producer's descriptor says (count rows of `unit` bytes; at most C), wanted at
  * HEP_RING_VAL(e, k + 1) and skipped once the ring's skip word says the call has fewer. */
-static hep_proxy_chunk ring_data(const hep_backend_ctx *g, int peer, int lid, size_t loff, int rid,
-                                 size_t roff, size_t unit, const uint64_t *pxn, int k, uint64_t e)
+static hep_proxy_chunk ring_data(const hep_backend_ctx *g, int phase, int peer, int lid,
+                                 size_t loff, int rid, size_t roff, size_t unit,
+                                 const uint64_t *pxn, int k, uint64_t e)
 {
-    const int p = k % g->plan->ring;
-    hep_proxy_chunk c = hep_wire_chunk(g, peer, lid, loff, rid, roff,
-                                       (size_t)g->plan->chunk * unit, pxn + HEP_PX_RING + 3 * p);
+    const int p = k % ring_of(g->plan, phase);
+    hep_proxy_chunk c =
+        hep_wire_chunk(g, peer, lid, loff, rid, roff, (size_t)chunk_of(g->plan, phase) * unit,
+                       pxn + HEP_PX_RING + 3 * p);
     c.desc = pxn + HEP_PX_RING + 3 * p + 1;
     c.unit = unit;
     c.want = HEP_RING_VAL(e, k + 1);
@@ -88,10 +101,10 @@ static hep_proxy_chunk ring_data(const hep_backend_ctx *g, int peer, int lid, si
 
 /* ... and its flag: the sender's flag source of position p to the peer's landed word,
  * after all of the chunk's data (fenced: after every earlier chunk to the peer). */
-static hep_proxy_chunk ring_flag(const hep_backend_ctx *g, int peer, int lid, int rid, int m, int s,
-                                 const uint64_t *pxn, int k, uint64_t e)
+static hep_proxy_chunk ring_flag(const hep_backend_ctx *g, int phase, int peer, int lid, int rid,
+                                 int m, int s, const uint64_t *pxn, int k, uint64_t e)
 {
-    const size_t N = (size_t)g->N, P = (size_t)g->plan->ring;
+    const size_t N = (size_t)g->N, P = (size_t)ring_of(g->plan, phase);
     const size_t cb = HEP_COUNT_BLOCK_WORDS((size_t)g->R, (size_t)g->cfg->experts_per_rank);
     const int p = k % (int)P;
     hep_proxy_chunk c = hep_wire_flag(g, peer, lid, HEP_RING_SRC_WORD(N, cb, (size_t)m, (size_t)p, P),
@@ -119,25 +132,29 @@ static hep_proxy_chunk ring_credit(const hep_backend_ctx *g, int peer, int lid, 
     return c;
 }
 
-static int chunks_for(const hep_backend_ctx *g, int tokens)
+static int chunks_for(const hep_backend_ctx *g, int phase, int tokens)
 {
-    return (tokens + g->plan->chunk - 1) / g->plan->chunk;
+    const int C = chunk_of(g->plan, phase);
+    return (tokens + C - 1) / C;
 }
 
 size_t hep_wire_gpu_batch_max(const hep_backend_ctx *g)
 {
     /* per other node: count word, count block, final count and flag, arrival; per chunk up to
-     * 6 data chunks and a flag; per credit one */
-    const size_t k = (size_t)chunks_for(g, g->cfg->max_tokens);
-    return (size_t)(g->N - 1) * (4 + 8 * k);
+     * 6 data chunks and a flag; per credit one (combine's chunks, maybe more, need fewer:
+     * 2 data chunks, a flag and a credit) */
+    const size_t kd = (size_t)chunks_for(g, 0, g->cfg->max_tokens);
+    const size_t kc = (size_t)chunks_for(g, 1, g->cfg->max_tokens);
+    return (size_t)(g->N - 1) * (4 + (8 * kd > 4 * kc ? 8 * kd : 4 * kc));
 }
 
 int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, uint64_t e, int t, int probs,
                        hep_proxy_chunk *ch)
 {
     const size_t T = (size_t)g->cfg->max_tokens, H = (size_t)g->cfg->hidden;
-    const size_t ST = g->plan->slot_tokens, C = (size_t)g->plan->chunk;
-    const int P = g->plan->ring, Kin = chunks_for(g, (int)T);
+    /* this phase's ring: chunk k of C tokens in position k % P of a slot of ST rows */
+    const size_t ST = g->plan->slot_tokens, C = (size_t)chunk_of(g->plan, phase);
+    const int P = ring_of(g->plan, phase), Kin = chunks_for(g, phase, (int)T);
     const int fp8 = g->cfg->dtype == HEP_DTYPE_FP8_E4M3, kmax = g->cfg->max_topk;
     const size_t rb = H * (fp8 ? 1 : 2), rw = (size_t)kmax * 4;
     const size_t sb = H / HEP_FP8_BLOCK * 4, rb2 = H * 2;
@@ -155,7 +172,7 @@ int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, uint64_t e, int t, i
         const int s = hep_slot_of(g->node, m);
         const uint64_t *px = px0 + HEP_PX_WORD(g->N, phase, m);
         /* the ring to m: this call's own tokens (dispatch) or m's slot here (combine) */
-        const int Kout = phase == 0 ? chunks_for(g, t) : Kin;
+        const int Kout = phase == 0 ? chunks_for(g, phase, t) : Kin;
         if (m == g->node)
             continue;
         if (phase == 0) {
@@ -173,25 +190,25 @@ int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, uint64_t e, int t, i
             for (int k = 0; k < Kout; k++) {
                 const size_t p = (size_t)(k % P), lr = (size_t)j * ST + p * C;
                 const size_t rr = (size_t)s * ST + p * C;
-                ch[n++] = ring_data(g, peer, HEP_BUF_D_ATTN_TOKEN, lr * rb, HEP_BUF_D_GROUP_TOKEN,
-                                    rr * rb, rb, px, k, e);
-                ch[n++] = ring_data(g, peer, HEP_BUF_D_ATTN_PROB, j * rs + p * C * rw,
+                ch[n++] = ring_data(g, phase, peer, HEP_BUF_D_ATTN_TOKEN, lr * rb,
+                                    HEP_BUF_D_GROUP_TOKEN, rr * rb, rb, px, k, e);
+                ch[n++] = ring_data(g, phase, peer, HEP_BUF_D_ATTN_PROB, j * rs + p * C * rw,
                                     HEP_BUF_D_GROUP_PROB, s * rs + p * C * rw, rw, px, k, e);
-                ch[n++] = ring_data(g, peer, HEP_BUF_D_ATTN_PROB, j * rs + (ST + p * C) * rw,
+                ch[n++] = ring_data(g, phase, peer, HEP_BUF_D_ATTN_PROB, j * rs + (ST + p * C) * rw,
                                     HEP_BUF_D_GROUP_PROB, s * rs + (ST + p * C) * rw, rw, px, k, e);
-                ch[n++] = ring_data(g, peer, HEP_BUF_D_ATTN_PROB, j * rs + 2 * ST * rw + p * C * ro,
-                                    HEP_BUF_D_GROUP_PROB, s * rs + 2 * ST * rw + p * C * ro, ro,
-                                    px, k, e);
+                ch[n++] = ring_data(g, phase, peer, HEP_BUF_D_ATTN_PROB,
+                                    j * rs + 2 * ST * rw + p * C * ro, HEP_BUF_D_GROUP_PROB,
+                                    s * rs + 2 * ST * rw + p * C * ro, ro, px, k, e);
                 if (probs) /* expert-major: the places */
-                    ch[n++] = ring_data(g, peer, HEP_BUF_D_ATTN_PROB,
-                                        j * rs + 2 * ST * rw + ST * ro + p * C * rw,
-                                        HEP_BUF_D_GROUP_PROB,
-                                        s * rs + 2 * ST * rw + ST * ro + p * C * rw, rw, px, k, e);
+                    ch[n++] =
+                        ring_data(g, phase, peer, HEP_BUF_D_ATTN_PROB,
+                                  j * rs + 2 * ST * rw + ST * ro + p * C * rw, HEP_BUF_D_GROUP_PROB,
+                                  s * rs + 2 * ST * rw + ST * ro + p * C * rw, rw, px, k, e);
                 if (fp8)
-                    ch[n++] = ring_data(g, peer, HEP_BUF_D_ATTN_SCALE, lr * sb,
+                    ch[n++] = ring_data(g, phase, peer, HEP_BUF_D_ATTN_SCALE, lr * sb,
                                         HEP_BUF_D_GROUP_SCALE, rr * sb, sb, px, k, e);
-                ch[n++] = ring_flag(g, peer, HEP_BUF_D_ATTN_FLAGS, HEP_BUF_D_GROUP_FLAGS, m, s, px,
-                                    k, e);
+                ch[n++] = ring_flag(g, phase, peer, HEP_BUF_D_ATTN_FLAGS, HEP_BUF_D_GROUP_FLAGS, m,
+                                    s, px, k, e);
             }
             ch[n++] = hep_wire_count_then_flag(g, peer, HEP_BUF_D_ATTN_FLAGS,
                                                HEP_BUF_D_GROUP_FLAGS, m, s,
@@ -205,13 +222,13 @@ int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, uint64_t e, int t, i
             for (int k = 0; k < Kout; k++) {
                 const size_t p = (size_t)(k % P), lr = (size_t)j * ST + p * C;
                 const size_t rr = (size_t)s * ST + p * C;
-                ch[n++] = ring_data(g, peer, HEP_BUF_C_RED_TOKEN, lr * rb2, HEP_BUF_C_GROUP_TOKEN,
-                                    rr * rb2, rb2, px, k, e);
+                ch[n++] = ring_data(g, phase, peer, HEP_BUF_C_RED_TOKEN, lr * rb2,
+                                    HEP_BUF_C_GROUP_TOKEN, rr * rb2, rb2, px, k, e);
                 if (probs) /* the same rows' probabilities, before the chunk's flag */
-                    ch[n++] = ring_data(g, peer, HEP_BUF_C_RED_PROB, lr * pb, HEP_BUF_C_GROUP_PROB,
-                                        rr * pb, pb, px, k, e);
-                ch[n++] = ring_flag(g, peer, HEP_BUF_C_OUT_FLAGS, HEP_BUF_C_GROUP_FLAGS, m, s, px,
-                                    k, e);
+                    ch[n++] = ring_data(g, phase, peer, HEP_BUF_C_RED_PROB, lr * pb,
+                                        HEP_BUF_C_GROUP_PROB, rr * pb, pb, px, k, e);
+                ch[n++] = ring_flag(g, phase, peer, HEP_BUF_C_OUT_FLAGS, HEP_BUF_C_GROUP_FLAGS, m,
+                                    s, px, k, e);
             }
             ch[n++] = hep_wire_count_then_flag(g, peer, HEP_BUF_C_OUT_FLAGS,
                                                HEP_BUF_C_GROUP_FLAGS, m, s,
@@ -225,7 +242,7 @@ int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, uint64_t e, int t, i
         const int peer = m * g->R + g->local, j = hep_slot_of(m, g->node);
         const uint64_t *px = px0 + HEP_PX_WORD(g->N, phase, m);
         /* hold_credits (a test hook): a receiver that never frees a chunk */
-        const int Kc = g->hold_credits ? 0 : (phase == 0 ? Kin : chunks_for(g, t)) - P;
+        const int Kc = g->hold_credits ? 0 : (phase == 0 ? Kin : chunks_for(g, phase, t)) - P;
         for (int k = 0; m != g->node && k < Kc; k++)
             ch[n++] = phase == 0 ? ring_credit(g, peer, HEP_BUF_D_GROUP_FLAGS,
                                                HEP_BUF_D_ATTN_FLAGS, j, px, k, e)

@@ -62,6 +62,16 @@ static void use_layout(hep_backend_ctx *g, const hep_handle *h)
     k->node_pos = k->dest_rows + (size_t)g->cfg->max_tokens * (size_t)g->world;
 }
 
+/* Across nodes, the ring of the phase about to be launched (layout/plan.h): the slots are
+ * the same rows in both, but combine may cut them into more, smaller chunks (cchunk, cring)
+ * than dispatch; every count of a slot's chunks in the kernels follows these. */
+static void use_ring(hep_backend_ctx *g, int phase)
+{
+    hep_kargs *k = g->kargs;
+    k->C = phase == 0 ? g->plan->chunk : g->plan->cchunk;
+    k->P = phase == 0 ? g->plan->ring : g->plan->cring;
+}
+
 /* After the group layer checked the node's shape against the kernels' limits: load the
  * kernels, then the launch arguments (node pointers filled once). */
 /* How the dispatch kernel writes rows. Bulk stores (dispatch_bulk.cu: a row pass staged in
@@ -163,7 +173,7 @@ static int gpu_setup(hep_backend_ctx *g)
         k->em_place = k->ring_ctr + HEP_RING_CTR_WORDS((size_t)g->N);
         k->em_pblocks = k->em_place + (size_t)g->cfg->max_tokens * (size_t)g->cfg->max_topk;
         k->ST = (int)g->plan->slot_tokens;
-        k->C = g->plan->chunk;
+        k->C = g->plan->chunk; /* dispatch's until a call sets its phase's (use_ring) */
         k->P = g->plan->ring;
     }
     k->host_counts = (int *)hep_be_buf(g, HEP_BUF_HOST_COUNTS);
@@ -712,6 +722,7 @@ static int gpu_dispatch(hep_backend_ctx *g, const hep_dispatch_args *a, hep_disp
     if (g->N > 1) {
         if ((rc = settle_same_kind(g, 1, a->stream, "hep_dispatch")))
             return rc;
+        use_ring(g, 0);
         rc = start_network(g, 0, g->cfg->dispatch_sms, a->stream, g->epoch + 1, em);
         if (rc)
             return rc;
@@ -804,6 +815,8 @@ static int gpu_combine(hep_backend_ctx *g, const hep_combine_args *a, const hep_
                         "hep_combine: expert_out is hep_combine_input(g), but an expert-major "
                         "layout is combined from caller memory of [num_permuted_tokens, H] rows");
     use_layout(g, h);
+    if (g->N > 1)
+        use_ring(g, 1);
     k->emajor = em;
     k->cap = g->cfg->max_recv_rows; /* rows at or past it were dropped: not read */
     k->t = h ? h->t : g->last_t;
