@@ -51,8 +51,8 @@ static const char *chunk_words(const hep_config *c, const hep_plan_info *p)
         snprintf(w, sizeof(w), "--chunk %d, the host backend's default", HEP_CHUNK_DEFAULT_HOST);
     else if (c->chunk_tokens == HEP_CHUNK_DEFAULT)
         snprintf(w, sizeof(w),
-                 "the GPU backend's default chunk: T / 2 while the slots fit %llu MiB, else %d / "
-                 "(N - 1) tokens, 8 to %d",
+                 "the GPU backend's default chunk: T / 2 (combine: T / 4) while the slots fit "
+                 "%llu MiB, else %d / (N - 1) tokens, 8 to %d",
                  HEP_GPU_WHOLE_SLOT_BYTES >> 20, HEP_CHUNK_GPU_RING_TOKENS, HEP_CHUNK_DEFAULT_GPU);
     else
         snprintf(w, sizeof(w), "--chunk %d", c->chunk_tokens);

@@ -45,7 +45,9 @@ typedef enum { HEP_BACKEND_GPU = 0, HEP_BACKEND_HOST = 1 } hep_backend;
  * ceil(T / 2) (the ring holds the whole slot: no credit round trips through the CPU proxy,
  * and chunk 0 travels while chunk 1 is packed) where a rank's inter-node slots take at
  * most HEP_GPU_WHOLE_SLOT_BYTES, counted as 3 x (N - 1) x T BF16 rows of H
- * (2 x 4 and 4 x 2 nodes at T = 4096, H = 7168: 176 and 528 MB); past it
+ * (2 x 4 and 4 x 2 nodes at T = 4096, H = 7168: 176 and 528 MB); combine then cuts the same
+ * slot into four chunks of ceil(T / 4) where they fit it (T % 4 = 0 or 3), so that its
+ * partial sums land, and are summed, sooner; past it
  * HEP_CHUNK_GPU_RING_TOKENS / (N - 1) tokens, between 8 and HEP_CHUNK_DEFAULT_GPU (512 up
  * to 8 nodes, 28 at 128): a rank's rings hold as many tokens in all as 8 nodes' rings of
  * 512, so their memory stays flat in the number of nodes, while a node's share of a
@@ -77,8 +79,9 @@ typedef struct hep_config {
     int combine_sms;      /* likewise for combine. Default 16. */
     int chunk_tokens;     /* C: -1..4096, default HEP_CHUNK_DEFAULT (-1): the backend's
                              default, 8 on the host backend; on the GPU kernels ceil(T / 2)
-                             while the slots fit HEP_GPU_WHOLE_SLOT_BYTES, else 3584 / (N - 1)
-                             clamped to 8..512 (above). N > 1:
+                             (combine: ceil(T / 4) over the same slot, above) while the slots
+                             fit HEP_GPU_WHOLE_SLOT_BYTES, else 3584 / (N - 1) clamped to
+                             8..512 (above). N > 1:
                              each inter-node slot (receive, send staging, partial sums) is a
                              ring of 2 chunks of C tokens, freed back to the sender by
                              credits, so these buffers hold 2 x C rows per other node instead

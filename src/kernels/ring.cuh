@@ -1,7 +1,8 @@
 // kernels/ring.cuh: the inter-node slots as rings of chunks (N > 1), the words of both
-// phases. A slot holds P = a.P positions of C = a.C tokens (a.ST = P x C rows); chunk k of
-// a call (the slot's tokens [kC, kC + C)) sits in position k % P. Included by the .cu files
-// of kernels/ only.
+// phases. A slot holds P = a.P positions of C = a.C tokens, the launched phase's (a.ST >= P x
+// C rows: combine may cut the GPU's whole slot into more chunks than dispatch, plan.cchunk);
+// chunk k of a call (the slot's tokens [kC, kC + C)) sits in position k % P. Included by the
+// .cu files of kernels/ only.
 //
 // Sender side (dispatch: the send staging; combine: the partial sums), ring to node m:
 //  - chunk k goes into position k % P once the credit word (its flags buffer, word B + m)

@@ -370,9 +370,10 @@ static size_t copy_out(hep_backend_ctx *g, int rows, hep_dispatch_opts *x)
 /* ---------------------------------------------------------------- the inter-node rings
  *
  * Each slot (a sender's staging for a node, a receiver's slot of a node, the partial sums)
- * is a ring of P positions of C tokens (g->plan->ring, g->plan->chunk; the words of
- * kernels/ep_kernels.h, "rings"). Chunk k of a call, the slot's tokens [kC, kC + C), is in
- * position k % P. Ordering, for one ring (sender S = (m, l), receiver Q = (n, l)):
+ * is a ring of P positions of C tokens (g->plan->ring, g->plan->chunk, in both phases: the
+ * plan gives combine other chunks on the GPU only; the words of kernels/ep_kernels.h,
+ * "rings"). Chunk k of a call, the slot's tokens [kC, kC + C), is in position k % P.
+ * Ordering, for one ring (sender S = (m, l), receiver Q = (n, l)):
  *  - S packs chunk k into its staging position only once the credit word (its
  *    attn flags, word B + n, written by Q's proxy) holds RING_VAL(e, k - P + 1): Q's node
  *    read chunk k - P, so its data landed (the NIC had read S's staging position) and
