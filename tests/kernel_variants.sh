@@ -12,7 +12,8 @@ for v in "dispatch_bulk.cu HEP_STRIDED_TOKENS" "dispatch_bulk.cu HEP_LAYOUT_TRAC
          "dispatch.cu DISPATCH_RGRAB=0" "dispatch_bulk.cu DISPATCH_RGRAB=1" \
          "dispatch.cu HEP_BLOCK_TRACE" \
          "dispatch.cu HEP_STREAMING_STORES" "dispatch.cu HEP_LAYOUT_TRACE" "dispatch.cu DU=8" \
-         "combine.cu HEP_STATIC_TOKENS" "combine.cu HEP_STREAMING_LOADS"; do
+         "combine.cu HEP_STATIC_TOKENS" "combine.cu HEP_STREAMING_LOADS" \
+         "dispatch.cu PACK_DU=1"; do
   set -- $v
   if "$nvcc" -arch=sm_90 -O3 -std=c++17 -I"$src/src" -I"$src/include" -cubin -D"$2" \
       --Werror all-warnings -o "$tmp/k.cubin" "$src/src/kernels/$1" > "$tmp/log" 2>&1; then
