@@ -28,6 +28,10 @@
 #     SCATTER_PROFILE modes (plain bulk) at 128 blocks (not part of `all`: name it)
 #   nodesms: the 2 x 4 and 4 x 2 benches (BF16) at NODE_SMS (8 12 16) SMs per rank: how the
 #     loopback NIC's copies fare with more SMs left free (not part of `all`: name it)
+#   ntrace: the timeline of the phases across nodes (NTRACE_RUNS, "nodes ranks SMs" each,
+#     default 2 x 4 at 12 and 4 x 2 at 8) with the HEP_NODE_TRACE build in NTRACE_DIR
+#     (.gpu/var/ntrace: printf 'ntrace HEP_NODE_TRACE\n' | bash bench/gpu_variants.sh),
+#     summarized by bench/ntrace.py (not part of `all`: name it)
 #   firstcall: FIRSTCALL_RUNS (12) fresh processes of one test_gpu_train case (FIRSTCALL_FILTER,
 #     'handles_interleaved*'), HEP_TIMEOUT_MS=FIRSTCALL_TIMEOUT_MS (3000), HEP_LOG_LEVEL=debug;
 #     for every run whose first call timed out, each rank's first dispatch launch times (a
@@ -141,6 +145,19 @@ if named nodesms; then
     done
   } > "$OUT/bench_nodesms.txt" 2>&1
   grep -E '^===|^(dispatch|combine) |verified|loopback copies|rror|timed out' "$OUT/bench_nodesms.txt"
+fi
+if named ntrace; then
+  # the timeline of the phases across nodes (a HEP_NODE_TRACE build, bench/ntrace.py)
+  T=${NTRACE_DIR:-.gpu/var/ntrace}
+  for run in ${NTRACE_RUNS:-"2 4 12" "4 2 8"}; do
+    set -- $run
+    step "trace: hybridep bench --nodes $1 --ranks-per-node $2 --sms $3 ${BENCH_ARGS:-}"
+    HEP_GPU_MR_MODE=dmabuf HEP_LOG_LEVEL=warn LD_LIBRARY_PATH=$T:$LD_LIBRARY_PATH $T/hybridep \
+      bench --nodes "$1" --ranks-per-node "$2" --sms "$3" ${BENCH_ARGS:-} \
+      > "$OUT/ntrace_$1x$2.txt" 2>&1
+    grep -E '^(dispatch|combine) |verified|loopback copies|rror|timed out' "$OUT/ntrace_$1x$2.txt"
+    python3 bench/ntrace.py < "$OUT/ntrace_$1x$2.txt"
+  done
 fi
 # the stall reasons, cycles a warp waits per issued instruction on each (Nsight Compute)
 STALLS='^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$'

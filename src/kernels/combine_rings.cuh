@@ -31,6 +31,8 @@ __device__ __forceinline__ bool own_wait(const hep_kargs &a, int i, unsigned lon
         const int q = M < a.N && M != a.node ? a.node_pos[(size_t)i * a.N + M] : -1;
         if (q >= 0 && !ring_wait_landed(a, a.part_words, slot_index(M, a.node), M, q / a.C, c, 1))
             ok = false; /* (a later word of nodes must not hide it) */
+        else if (q >= 0 && (i & 31) == 0) /* (one token in 32: the atomics' cost) */
+            NT_FIRST(a, c, 6 + min(q / a.C, 1));
     }
     return __all_sync(FULL, ok);
 }
@@ -91,6 +93,7 @@ __device__ __forceinline__ void reduce_chunk(const hep_kargs &a, const char *con
         if (ring_produced(a, 1, L, k, nrw)) {
             __threadfence_system();
             ring_publish(a, 1, a.red_words, L, k, rows, c);
+            NT_LAST(a, c, 2 + min(k, 1));
         }
     }
     __syncwarp();

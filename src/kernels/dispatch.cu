@@ -10,7 +10,7 @@
 //     at every destination; block 0 waits for every source's S arrivals.
 #include <cuda_runtime.h>
 #include <stdint.h>
-#if defined(HEP_LAYOUT_TRACE) || defined(HEP_BLOCK_TRACE)
+#if defined(HEP_LAYOUT_TRACE) || defined(HEP_BLOCK_TRACE) || defined(HEP_NODE_TRACE)
 #include <cstdio>
 #endif
 
@@ -428,7 +428,9 @@ __device__ bool send_chunk(const hep_kargs &a, int m, int k, int n, int cnt, uns
         if (ring_produced(a, 0, m, k, gridDim.x)) {
             __threadfence_system(); /* every block's rows before the proxy sees them */
             ring_publish(a, 0, a.send_words, m, k, rows, e);
+            NT_LAST(a, e, 4 + min(k, 1));
         }
+        NT_FIRST(a, e, 2 + min(k, 1));
     }
     return true;
 }
@@ -471,8 +473,10 @@ __device__ bool forward_chunk(const hep_kargs &a, int L, int k, int n, int cnt, 
         return true;
     const int s = slot_index(L, a.node), lane = threadIdx.x & 31;
     bool ok = true;
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         ok = ring_wait_landed(a, a.slot_words, s, L, k, e, 0);
+        NT_FIRST(a, e, 9 + min(k, 1));
+    }
     if (!block_all(ok))
         return false;
     const int rows = min(a.C, cnt - k * a.C);
@@ -496,6 +500,7 @@ __device__ bool forward_chunk(const hep_kargs &a, int L, int k, int n, int cnt, 
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+        NT_LAST(a, e, 11 + min(k, 1));
         __threadfence(); /* this block's reads of the chunk are done */
         ok = ring_consumed(a, 0, (unsigned long long *)a.slot_words, s, L, k, 1, gridDim.x, e);
     }
@@ -567,6 +572,10 @@ __device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool ove
     else if (!over)
         push_list<false>(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, NULL,
                          drop_at(a, drop_base, a.node));
+    if ((threadIdx.x & 31) == 0) {
+        NT_FIRST(a, e, 7);
+        NT_LAST(a, e, 8);
+    }
     for (int k = 0; k < steps; k++) {
         for (int m = 0; k > 0 && m < N; m++)
             if (m != a.node &&
@@ -676,6 +685,13 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
 #endif
     BTRACE(0);
     const unsigned long long e = *a.epoch + 1;
+    if (NODES) { /* HEP_NODE_TRACE: first events 0 and 7-10 */
+        NT_FLUSH(a, e, 'D', 0x268du); /* first events: 0, 2, 3, 7, 9, 10, 13 */
+        if (tid == 0) {
+            NT_FIRST(a, e, 0);
+            NT_LAST(a, e, 1);
+        }
+    }
     block_start_jitter(a, e);
     for (int j = tid; j < R; j += blockDim.x) {
         s_x[j] = a.x[j];
@@ -785,6 +801,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         if (tid == 0) {
             __threadfence();
             st_release_gpu(a.layout_ready, e);
+            if (NODES)
+                NT_LAST(a, e, 6);
         }
         LTRACE(9);
         layout_report(a, s, t_start, t_layout);
@@ -808,6 +826,10 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         if (NODES && !ring_dispatch<true>(a, e, over, s, s_x, s_prob, s_scale, NULL))
             return;
         arrive_all(a, e);
+        if (NODES && tid == 0) {
+            NT_FIRST(a, e, 13);
+            NT_LAST(a, e, 14);
+        }
         return;
     }
     // (a.drop: each list's dropped rows come off this rank's counts of that list)
@@ -820,6 +842,10 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
     if (NODES && !ring_dispatch<false>(a, e, over, s, s_x, s_prob, s_scale, drop_base))
         return;
     dispatch_end(a, e, false);
+    if (NODES && tid == 0) {
+        NT_FIRST(a, e, 13);
+        NT_LAST(a, e, 14);
+    }
 }
 
 } // namespace hep_dispatch (hep_dispatch_bulk)

@@ -12,6 +12,9 @@
 // among this rank's tokens on that expert (em_place, shipped with the token), so that the
 // receiver places any chunk's rows without a scan of the whole slot (kernels/expert_major.cuh).
 #include <cuda_runtime.h>
+#ifdef HEP_NODE_TRACE
+#include <cstdio>
+#endif
 
 #include "kernels/ring.cuh"
 

@@ -152,4 +152,47 @@ __device__ __forceinline__ bool ring_consumed(const hep_kargs &a, int phase,
     return true;
 }
 
+// HEP_NODE_TRACE (a measurement build only, bench/NOTES.md): the global timer (ns) at the
+// steps of a phase across nodes, per rank and call, the first or the last of each event over
+// the rank's blocks (warps). Calls are kept in a ring of NT_CALLS; the kernel of a call
+// e = 0 mod NT_CALLS prints the previous NT_CALLS - 1 calls' lines and clears them (this
+// rank's kernels of those calls are done by then, in stream order), so that a print delays
+// one call in NT_CALLS, whose own stamps are not kept. Each .cu file has its own copy.
+// "First" events are kept as the largest complement, so that zeroed words need no other
+// start value. Chunks past 1 count as chunk 1.
+#ifdef HEP_NODE_TRACE /* (<cstdio> included by the .cu file, outside its namespace) */
+enum { NT_WORDS = 16, NT_CALLS = 16 };
+static __device__ unsigned long long hep_ntrace[NT_CALLS][64][NT_WORDS];
+#define NT_AT(a, e) hep_ntrace[(e) % NT_CALLS][((a).rank0 + (a).local) & 63]
+#define NT_FIRST(a, e, i)                                                                  \
+    ((e) % NT_CALLS ? (void)atomicMax(&NT_AT(a, e)[i], ~now_ns()) : (void)0)
+#define NT_LAST(a, e, i) ((e) % NT_CALLS ? (void)atomicMax(&NT_AT(a, e)[i], now_ns()) : (void)0)
+// One thread: print and clear the kept calls; bit i of `first`: word i is a first event.
+static __device__ __noinline__ void ntrace_flush(const hep_kargs &a, unsigned long long e,
+                                                 char phase, unsigned first)
+{
+    for (unsigned long long c = e - NT_CALLS + 1; c < e; c++) {
+        unsigned long long *w = NT_AT(a, c), v[NT_WORDS];
+        for (int i = 0; i < NT_WORDS; i++) {
+            v[i] = w[i] && (first >> i & 1) ? ~w[i] : w[i];
+            w[i] = 0;
+        }
+        if (v[0])
+            printf("NTRACE %c %llu %d %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu "
+                   "%llu %llu %llu %llu %llu\n",
+                   phase, c, a.rank0 + a.local, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7],
+                   v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]);
+    }
+}
+#define NT_FLUSH(a, e, phase, first)                                                        \
+    do {                                                                                   \
+        if ((e) % NT_CALLS == 0 && (e) >= NT_CALLS && blockIdx.x == 0 && threadIdx.x == 0) \
+            ntrace_flush(a, e, phase, first);                                              \
+    } while (0)
+#else
+#define NT_FIRST(a, e, i) ((void)0)
+#define NT_LAST(a, e, i) ((void)0)
+#define NT_FLUSH(a, e, phase, first) ((void)0)
+#endif
+
 #endif
