@@ -258,7 +258,8 @@ int hep_cmd_plan(int argc, char **argv)
              "0 = none)"},
             {"chunk", CLI_INT, &c.chunk_tokens, 0, 1 << 30, NULL, "C",
              "tokens per chunk of the inter-node rings (0 = one chunk of T per slot; default: "
-             "the backend's: on the GPU 3584 / (N - 1) tokens, 8 to 512; 8 on the host)"},
+             "the backend's: on the GPU T / 2 (combine: T / 4) while the slots fit 640 MiB, "
+             "else 3584 / (N - 1) tokens, 8 to 512; 8 on the host)"},
             {"backend", CLI_CHOICE, &backend, 0, 0, "gpu|host", NULL,
              "whose plan"},
             {"dtype", CLI_CHOICE, &dtype, 0, 0, "bf16|fp8", NULL, "dispatch payload"},
