@@ -1,10 +1,14 @@
 /* The in-process bootstrap: allgather and barrier across threads, bounded waits. */
 #include <setjmp.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 #include <cuda_runtime_api.h>
@@ -166,6 +170,53 @@ static void stream_queues_follow_cuda_device_max_connections(void **state)
     assert_int_equal(hep_kept_streams(1 << 20), 0);
 }
 
+/* Rank 1 faults, rank 0 returns. */
+static int fault_on_rank_1(rank_ctx *r)
+{
+    if (r->rank == 1)
+        raise(SIGSEGV);
+    return 0;
+}
+
+/* A fault in a rank's thread is reported with the rank and a backtrace, and the process
+ * dies of the signal (cmocka alone exits 255 in silence for a fault outside the test's
+ * thread, tests/ranks.c). In a child process, whose stderr is read here. */
+static void a_rank_threads_fault_names_the_rank_and_dies_of_the_signal(void **state)
+{
+    int fds[2], status = 0;
+    char out[8192];
+    size_t got = 0;
+    ssize_t n;
+    pid_t pid;
+    (void)state;
+#if defined(__SANITIZE_ADDRESS__)
+    skip(); /* AddressSanitizer's own handler reports faults there */
+#endif
+    assert_int_equal(pipe(fds), 0);
+    fflush(NULL);
+    pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        rank_ctx ctx[2];
+        dup2(fds[1], 2);
+        close(fds[0]);
+        signal(SIGSEGV, SIG_DFL); /* no cmocka handler in the child: the report is ranks.c's */
+        run_ranks(2, fault_on_rank_1, NULL, ctx);
+        _exit(0); /* not reached: the fault ends the process */
+    }
+    close(fds[1]);
+    while (got < sizeof(out) - 1 && (n = read(fds[0], out + got, sizeof(out) - 1 - got)) > 0)
+        got += (size_t)n;
+    out[got] = 0;
+    close(fds[0]);
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    print_message("child's stderr: %.300s\n", out);
+    assert_true(WIFSIGNALED(status));
+    assert_int_equal(WTERMSIG(status), SIGSEGV);
+    assert_non_null(strstr(out, "fault: signal 11 (SIGSEGV) in the thread of rank 1"));
+    assert_non_null(strstr(out, "backtrace:"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -175,6 +226,7 @@ int main(void)
         cmocka_unit_test(inproc_stream_rejects_bad_arguments),
         cmocka_unit_test(inproc_stream_without_a_gpu_is_unavailable_with_the_reason),
         cmocka_unit_test(stream_queues_follow_cuda_device_max_connections),
+        cmocka_unit_test(a_rank_threads_fault_names_the_rank_and_dies_of_the_signal),
     };
     return cmocka_run_group_tests_name("bootstrap", tests, NULL, NULL);
 }
