@@ -163,16 +163,20 @@ __device__ __forceinline__ bool ring_consumed(const hep_kargs &a, int phase,
 #ifdef HEP_NODE_TRACE /* (<cstdio> included by the .cu file, outside its namespace) */
 enum { NT_WORDS = 16, NT_CALLS = 16 };
 static __device__ unsigned long long hep_ntrace[NT_CALLS][64][NT_WORDS];
-#define NT_AT(a, e) hep_ntrace[(e) % NT_CALLS][((a).rank0 + (a).local) & 63]
+#define NT_AT_RANK(rank, e) hep_ntrace[(e) % NT_CALLS][(rank) & 63]
+#define NT_AT(a, e) NT_AT_RANK((a).rank0 + (a).local, e)
 #define NT_FIRST(a, e, i)                                                                  \
     ((e) % NT_CALLS ? (void)atomicMax(&NT_AT(a, e)[i], ~now_ns()) : (void)0)
 #define NT_LAST(a, e, i) ((e) % NT_CALLS ? (void)atomicMax(&NT_AT(a, e)[i], now_ns()) : (void)0)
-// One thread: print and clear the kept calls; bit i of `first`: word i is a first event.
-static __device__ __noinline__ void ntrace_flush(const hep_kargs &a, unsigned long long e,
-                                                 char phase, unsigned first)
+// One thread: print and clear the kept calls of `rank`; bit i of `first`: word i is a first
+// event. (Scalars only: a kernel-parameter struct passed by reference to a function that is
+// not inlined is copied to local memory in every thread, and that made the trace build
+// spill.)
+static __device__ __noinline__ void ntrace_flush(int rank, unsigned long long e, char phase,
+                                                 unsigned first)
 {
     for (unsigned long long c = e - NT_CALLS + 1; c < e; c++) {
-        unsigned long long *w = NT_AT(a, c), v[NT_WORDS];
+        unsigned long long *w = NT_AT_RANK(rank, c), v[NT_WORDS];
         for (int i = 0; i < NT_WORDS; i++) {
             v[i] = w[i] && (first >> i & 1) ? ~w[i] : w[i];
             w[i] = 0;
@@ -180,14 +184,14 @@ static __device__ __noinline__ void ntrace_flush(const hep_kargs &a, unsigned lo
         if (v[0])
             printf("NTRACE %c %llu %d %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu "
                    "%llu %llu %llu %llu %llu\n",
-                   phase, c, a.rank0 + a.local, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7],
-                   v[8], v[9], v[10], v[11], v[12], v[13], v[14], v[15]);
+                   phase, c, rank, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9],
+                   v[10], v[11], v[12], v[13], v[14], v[15]);
     }
 }
 #define NT_FLUSH(a, e, phase, first)                                                        \
     do {                                                                                   \
         if ((e) % NT_CALLS == 0 && (e) >= NT_CALLS && blockIdx.x == 0 && threadIdx.x == 0) \
-            ntrace_flush(a, e, phase, first);                                              \
+            ntrace_flush((a).rank0 + (a).local, e, phase, first);                          \
     } while (0)
 #else
 #define NT_FIRST(a, e, i) ((void)0)
