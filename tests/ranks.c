@@ -20,6 +20,7 @@ static __thread int tl_rank = -1;
 static const int fault_signals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
 #define NFAULT ((int)(sizeof(fault_signals) / sizeof(fault_signals[0])))
 
+#if !defined(__SANITIZE_ADDRESS__)
 static void put(const char *s)
 {
     ssize_t n = write(2, s, strlen(s));
@@ -58,6 +59,7 @@ static void fault_handler(int sig)
     signal(sig, SIG_DFL);
     raise(sig);
 }
+#endif
 
 static int fault_report_on(struct sigaction *old)
 {
