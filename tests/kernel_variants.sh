@@ -13,8 +13,7 @@ for v in "dispatch_bulk.cu HEP_STRIDED_TOKENS" "dispatch_bulk.cu HEP_LAYOUT_TRAC
          "dispatch.cu HEP_BLOCK_TRACE" \
          "dispatch.cu HEP_STREAMING_STORES" "dispatch.cu HEP_LAYOUT_TRACE" "dispatch.cu DU=8" \
          "combine.cu HEP_STATIC_TOKENS" "combine.cu HEP_STREAMING_LOADS" \
-         "dispatch.cu HEP_NODE_TRACE" "combine.cu HEP_NODE_TRACE" "node_pack.cu HEP_NODE_TRACE" \
-         "dispatch.cu PACK_DU=1"; do
+         "dispatch.cu HEP_NODE_TRACE" "combine.cu HEP_NODE_TRACE" "node_pack.cu HEP_NODE_TRACE"; do
   set -- $v
   if "$nvcc" -arch=sm_90 -O3 -std=c++17 -I"$src/src" -I"$src/include" -cubin -D"$2" \
       --Werror all-warnings -o "$tmp/k.cubin" "$src/src/kernels/$1" > "$tmp/log" 2>&1; then

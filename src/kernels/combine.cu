@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     if (ld_l2(a.over)) /* the dispatch exceeded the capacity: no layout (every rank alike) */
         return;
     block_start_jitter(a, e);
-    if (NODES) { /* HEP_NODE_TRACE: first events 0 and 6-9 */
+    if (NODES) { /* HEP_NODE_TRACE (kernels/ring.cuh; the words: bench/ntrace.py) */
         NT_FLUSH(a, c, 'C', 0x1d1u); /* first events: 0, 4, 6, 7, 8 */
         if (tid == 0) {
             NT_FIRST(a, c, 0);

@@ -348,23 +348,18 @@ static_assert(DISPATCH_THREADS >= HEP_GPU_MAX_NODES, "one thread per other node 
  * spills none (a tuning knob: bench/gpu_variants.sh, bench/gpu_ab.sh) */
 #define RING_DU 6
 #endif
-#ifndef PACK_DU
-/* the same when packing a chunk into the send staging, made explicit: the compiler batched
- * the read-only loads of a plain loop itself, and one vector a lane at a time is 5-23%
- * slower across nodes; 14 was no faster than 5, and 6-10 spill (bench/NOTES.md, session 16) */
-#define PACK_DU 5
-#endif
 
 // This block's share of chunk k (`rows` tokens) of the ring to node m: each token's row,
 // sanitized routing, offsets at m's ranks (the pack's) and scales into position k % P of
-// the send staging, one warp a token.
-template <int U>
+// the send staging, one warp a token. (The row's loop is plain: the compiler batches its
+// read-only loads itself, as fast as 5, 7 or 14 explicit vectors a lane; one explicit
+// vector at a time was 5-23% slower, and explicit vectors spill in some instance:
+// bench/NOTES.md, session 16.)
 __device__ void pack_chunk(const hep_kargs &a, int m, int k, int rows)
 {
     const int lane = threadIdx.x & 31, R = a.R, N = a.N;
     const long long E = (long long)a.El * R * N;
-    const size_t rb = (size_t)a.H * a.esize, ST = (size_t)a.ST;
-    const int nvec = (int)(rb / 16);
+    const size_t rb = (size_t)a.H * a.esize, nvec = rb / 16, ST = (size_t)a.ST;
     const size_t j = (size_t)slot_index(m, a.node);
     const size_t row0 = (size_t)(k % a.P) * a.C;
     int *route = a.send_route + j * ST * (size_t)HEP_GPU_ROUTE_WORDS(a.kmax, R);
@@ -375,23 +370,14 @@ __device__ void pack_chunk(const hep_kargs &a, int m, int k, int rows)
     for (int r = w0; r < w1; r++) {
         const int i = list[r];
         const size_t row = row0 + (size_t)r;
-        const uint4 *src = (const uint4 *)((const char *)a.tokens + (size_t)i * rb) + lane;
-        uint4 *dst = (uint4 *)(a.send_token + (j * ST + row) * rb) + lane;
-        for (int v0 = 0; v0 < nvec; v0 += 32 * U) { /* U loads in flight */
-            uint4 buf[U];
-#pragma unroll
-            for (int u = 0; u < U; u++)
-                if (v0 + u * 32 + lane < nvec)
-                    buf[u] = __ldg(src + v0 + u * 32);
-#pragma unroll
-            for (int u = 0; u < U; u++)
-                if (v0 + u * 32 + lane < nvec)
-                    dst[v0 + u * 32] = buf[u];
-        }
         long long myid = lane < a.K ? topk_at(a, i, lane) : -1;
         if (myid < -1 || myid >= E)
             myid = -1; /* reported by the scan; travels as an unused slot */
         const float myw = lane < a.K ? a.weights[(size_t)i * a.K + lane] : 0.f;
+        const uint4 *src = (const uint4 *)((const char *)a.tokens + (size_t)i * rb);
+        uint4 *dst = (uint4 *)(a.send_token + (j * ST + row) * rb);
+        for (size_t v = lane; v < nvec; v += 32)
+            dst[v] = __ldg(src + v);
         if (lane < a.kmax) {
             route[row * a.kmax + lane] = (int)myid;
             ((float *)route)[(ST + row) * a.kmax + lane] = myw;
@@ -408,9 +394,6 @@ __device__ void pack_chunk(const hep_kargs &a, int m, int k, int rows)
 
 // Chunk k of the ring to node m (n chunks this call): once its credit came (chunk k - P
 // freed), every block packs its share; the last one publishes it. false when a wait gave up.
-// U: vectors a lane in flight (PACK_DU before the layout step; one in the steps after it,
-// where the rings' state is live and more made ptxas spill).
-template <int U>
 __device__ bool send_chunk(const hep_kargs &a, int m, int k, int n, int cnt, unsigned long long e)
 {
     if (k >= n)
@@ -421,7 +404,7 @@ __device__ bool send_chunk(const hep_kargs &a, int m, int k, int n, int cnt, uns
     if (!block_all(ok))
         return false;
     const int rows = min(a.C, cnt - k * a.C);
-    pack_chunk<U>(a, m, k, rows);
+    pack_chunk(a, m, k, rows);
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system(); /* this block's rows before its count */
@@ -539,7 +522,7 @@ __device__ bool ring_send_first(const hep_kargs &a, unsigned long long e)
     for (int k = 0; k < a.P; k++)
         for (int m = 0; m < a.N; m++) {
             const int cnt = m == a.node ? 0 : (int)ld_relaxed(a.send_words + m);
-            if (m != a.node && !send_chunk<PACK_DU>(a, m, k, ring_chunks(cnt, a.C), cnt, e))
+            if (m != a.node && !send_chunk(a, m, k, ring_chunks(cnt, a.C), cnt, e))
                 return false;
         }
     return true;
@@ -578,8 +561,7 @@ __device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool ove
     }
     for (int k = 0; k < steps; k++) {
         for (int m = 0; k > 0 && m < N; m++)
-            if (m != a.node &&
-                !send_chunk<1>(a, m, k + P - 1, ring_chunks(cout[m], C), cout[m], e))
+            if (m != a.node && !send_chunk(a, m, k + P - 1, ring_chunks(cout[m], C), cout[m], e))
                 return false;
         for (int L = 0; L < N; L++)
             if (L != a.node && !forward_chunk<EM>(a, L, k, ring_chunks(cin[L], C), cin[L], over, e,
@@ -685,7 +667,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
 #endif
     BTRACE(0);
     const unsigned long long e = *a.epoch + 1;
-    if (NODES) { /* HEP_NODE_TRACE: first events 0 and 7-10 */
+    if (NODES) { /* HEP_NODE_TRACE (kernels/ring.cuh; the words: bench/ntrace.py) */
         NT_FLUSH(a, e, 'D', 0x268du); /* first events: 0, 2, 3, 7, 9, 10, 13 */
         if (tid == 0) {
             NT_FIRST(a, e, 0);
