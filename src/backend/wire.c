@@ -68,17 +68,6 @@ hep_proxy_chunk hep_wire_flag(const hep_backend_ctx *g, int peer, int lid, size_
     return k;
 }
 
-/* A phase's ring over the slots (layout/plan.h): dispatch's chunk and ring; combine's may
- * cut the same slot into more, smaller chunks (the GPU's default whole slot). */
-static int chunk_of(const hep_plan *p, int phase)
-{
-    return phase == 0 ? p->chunk : p->cchunk;
-}
-static int ring_of(const hep_plan *p, int phase)
-{
-    return phase == 0 ? p->ring : p->cring;
-}
-
 /* The GPU path's ring (kernels/ep_kernels.h, HEP_PX_*): chunk k of a ring to a peer, its
  * data from position p = k % P of local slot j to the same position of the peer's slot s, as
  * far as the producer's descriptor says (count rows of `unit` bytes; at most C), wanted at
@@ -87,9 +76,9 @@ static hep_proxy_chunk ring_data(const hep_backend_ctx *g, int phase, int peer, 
                                  size_t loff, int rid, size_t roff, size_t unit,
                                  const uint64_t *pxn, int k, uint64_t e)
 {
-    const int p = k % ring_of(g->plan, phase);
+    const int p = k % hep_plan_ring(g->plan, phase);
     hep_proxy_chunk c =
-        hep_wire_chunk(g, peer, lid, loff, rid, roff, (size_t)chunk_of(g->plan, phase) * unit,
+        hep_wire_chunk(g, peer, lid, loff, rid, roff, (size_t)hep_plan_chunk(g->plan, phase) * unit,
                        pxn + HEP_PX_RING + 3 * p);
     c.desc = pxn + HEP_PX_RING + 3 * p + 1;
     c.unit = unit;
@@ -104,7 +93,7 @@ static hep_proxy_chunk ring_data(const hep_backend_ctx *g, int phase, int peer, 
 static hep_proxy_chunk ring_flag(const hep_backend_ctx *g, int phase, int peer, int lid, int rid,
                                  int m, int s, const uint64_t *pxn, int k, uint64_t e)
 {
-    const size_t N = (size_t)g->N, P = (size_t)ring_of(g->plan, phase);
+    const size_t N = (size_t)g->N, P = (size_t)hep_plan_ring(g->plan, phase);
     const size_t cb = HEP_COUNT_BLOCK_WORDS((size_t)g->R, (size_t)g->cfg->experts_per_rank);
     const int p = k % (int)P;
     hep_proxy_chunk c = hep_wire_flag(g, peer, lid, HEP_RING_SRC_WORD(N, cb, (size_t)m, (size_t)p, P),
@@ -134,7 +123,7 @@ static hep_proxy_chunk ring_credit(const hep_backend_ctx *g, int peer, int lid, 
 
 static int chunks_for(const hep_backend_ctx *g, int phase, int tokens)
 {
-    const int C = chunk_of(g->plan, phase);
+    const int C = hep_plan_chunk(g->plan, phase);
     return (tokens + C - 1) / C;
 }
 
@@ -153,8 +142,8 @@ int hep_wire_gpu_batch(const hep_backend_ctx *g, int phase, uint64_t e, int t, i
 {
     const size_t T = (size_t)g->cfg->max_tokens, H = (size_t)g->cfg->hidden;
     /* this phase's ring: chunk k of C tokens in position k % P of a slot of ST rows */
-    const size_t ST = g->plan->slot_tokens, C = (size_t)chunk_of(g->plan, phase);
-    const int P = ring_of(g->plan, phase), Kin = chunks_for(g, phase, (int)T);
+    const size_t ST = g->plan->slot_tokens, C = (size_t)hep_plan_chunk(g->plan, phase);
+    const int P = hep_plan_ring(g->plan, phase), Kin = chunks_for(g, phase, (int)T);
     const int fp8 = g->cfg->dtype == HEP_DTYPE_FP8_E4M3, kmax = g->cfg->max_topk;
     const size_t rb = H * (fp8 ? 1 : 2), rw = (size_t)kmax * 4;
     const size_t sb = H / HEP_FP8_BLOCK * 4, rb2 = H * 2;

@@ -68,8 +68,8 @@ static void use_layout(hep_backend_ctx *g, const hep_handle *h)
 static void use_ring(hep_backend_ctx *g, int phase)
 {
     hep_kargs *k = g->kargs;
-    k->C = phase == 0 ? g->plan->chunk : g->plan->cchunk;
-    k->P = phase == 0 ? g->plan->ring : g->plan->cring;
+    k->C = hep_plan_chunk(g->plan, phase);
+    k->P = hep_plan_ring(g->plan, phase);
 }
 
 /* After the group layer checked the node's shape against the kernels' limits: load the
@@ -173,8 +173,7 @@ static int gpu_setup(hep_backend_ctx *g)
         k->em_place = k->ring_ctr + HEP_RING_CTR_WORDS((size_t)g->N);
         k->em_pblocks = k->em_place + (size_t)g->cfg->max_tokens * (size_t)g->cfg->max_topk;
         k->ST = (int)g->plan->slot_tokens;
-        k->C = g->plan->chunk; /* dispatch's until a call sets its phase's (use_ring) */
-        k->P = g->plan->ring;
+        use_ring(g, 0); /* dispatch's until a call sets its phase's */
     }
     k->host_counts = (int *)hep_be_buf(g, HEP_BUF_HOST_COUNTS);
     k->diag = (hep_diag *)(g->mapped_dev + g->plan->buf[HEP_BUF_DIAG].offset);

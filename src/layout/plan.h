@@ -96,6 +96,15 @@ typedef struct hep_plan {
     size_t device_bytes, host_bytes;
 } hep_plan;
 
+/* A phase's ring over the slots (0 dispatch, 1 combine): its chunk and its positions. */
+static inline int hep_plan_chunk(const hep_plan *p, int phase)
+{
+    return phase == 0 ? p->chunk : p->cchunk;
+}
+static inline int hep_plan_ring(const hep_plan *p, int phase)
+{
+    return phase == 0 ? p->ring : p->cring;
+}
 
 /* Plan for `nodes` x `ranks_per_node` ranks. 0 or HEP_ERR_INVALID (with the reason). */
 int hep_plan_make(const hep_config *cfg, int nodes, int ranks_per_node, hep_plan *out);
