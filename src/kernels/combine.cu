@@ -254,10 +254,8 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
     block_start_jitter(a, e);
     if (NODES) { /* HEP_NODE_TRACE (kernels/ring.cuh; the words: bench/ntrace.py) */
         NT_FLUSH(a, c, 'C', 0x1d1u); /* first events: 0, 4, 6, 7, 8 */
-        if (tid == 0) {
-            NT_FIRST(a, c, 0);
-            NT_LAST(a, c, 1);
-        }
+        if (tid == 0)
+            NT_SPAN(a, c, 0);
     }
     if (tid < R)
         s_x[tid] = a.x[tid];
@@ -328,10 +326,8 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
             ring_combine_setup(a, c);
         if (WHOLE) {
             reduce_whole<EM>(a, s_x, s_pin, b * wpb + warp, S * wpb, c);
-            if (lane == 0) {
-                NT_FIRST(a, c, 4);
-                NT_LAST(a, c, 5);
-            }
+            if (lane == 0)
+                NT_SPAN(a, c, 4);
 #ifndef HEP_STATIC_TOKENS
             first_grab = lane == 0 ? (int)atomicAdd(a.work + HEP_WORK_COMBINE, GRAB) : 0;
 #endif
@@ -339,17 +335,13 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
         else if (red && !reduce_rings<EM>(a, s_x, s_pin, b * RED_WARPS + warp, S * RED_WARPS, c,
                                           s_cur[warp]))
             return;
-        else if (red && lane == 0) {
-            NT_FIRST(a, c, 4);
-            NT_LAST(a, c, 5);
-        }
+        else if (red && lane == 0)
+            NT_SPAN(a, c, 4);
     }
     if (owns && !own_tokens<EM, NODES, WHOLE>(a, s_x, s_pin, c, first_grab, first_pos, mybase))
         return;
-    if (NODES && lane == 0) {
-        NT_FIRST(a, c, 8);
-        NT_LAST(a, c, 9);
-    }
+    if (NODES && lane == 0)
+        NT_SPAN(a, c, 8);
     combine_done(a, c);
     if (EM && !a.em_stage) /* staged: the caller's memory was copied; k_em_stage_in of the
                               next combine waits for the readers of the staging instead */

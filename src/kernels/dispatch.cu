@@ -555,10 +555,8 @@ __device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool ove
     else if (!over)
         push_list<false>(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, NULL,
                          drop_at(a, drop_base, a.node));
-    if ((threadIdx.x & 31) == 0) {
-        NT_FIRST(a, e, 7);
-        NT_LAST(a, e, 8);
-    }
+    if ((threadIdx.x & 31) == 0)
+        NT_SPAN(a, e, 7);
     for (int k = 0; k < steps; k++) {
         for (int m = 0; k > 0 && m < N; m++)
             if (m != a.node && !send_chunk(a, m, k + P - 1, ring_chunks(cout[m], C), cout[m], e))
@@ -669,10 +667,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
     const unsigned long long e = *a.epoch + 1;
     if (NODES) { /* HEP_NODE_TRACE (kernels/ring.cuh; the words: bench/ntrace.py) */
         NT_FLUSH(a, e, 'D', 0x268du); /* first events: 0, 2, 3, 7, 9, 10, 13 */
-        if (tid == 0) {
-            NT_FIRST(a, e, 0);
-            NT_LAST(a, e, 1);
-        }
+        if (tid == 0)
+            NT_SPAN(a, e, 0);
     }
     block_start_jitter(a, e);
     for (int j = tid; j < R; j += blockDim.x) {
@@ -808,10 +804,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         if (NODES && !ring_dispatch<true>(a, e, over, s, s_x, s_prob, s_scale, NULL))
             return;
         arrive_all(a, e);
-        if (NODES && tid == 0) {
-            NT_FIRST(a, e, 13);
-            NT_LAST(a, e, 14);
-        }
+        if (NODES && tid == 0)
+            NT_SPAN(a, e, 13);
         return;
     }
     // (a.drop: each list's dropped rows come off this rank's counts of that list)
@@ -824,10 +818,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
     if (NODES && !ring_dispatch<false>(a, e, over, s, s_x, s_prob, s_scale, drop_base))
         return;
     dispatch_end(a, e, false);
-    if (NODES && tid == 0) {
-        NT_FIRST(a, e, 13);
-        NT_LAST(a, e, 14);
-    }
+    if (NODES && tid == 0)
+        NT_SPAN(a, e, 13);
 }
 
 } // namespace hep_dispatch (hep_dispatch_bulk)

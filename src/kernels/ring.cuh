@@ -168,6 +168,7 @@ static __device__ unsigned long long hep_ntrace[NT_CALLS][64][NT_WORDS];
 #define NT_FIRST(a, e, i)                                                                  \
     ((e) % NT_CALLS ? (void)atomicMax(&NT_AT(a, e)[i], ~now_ns()) : (void)0)
 #define NT_LAST(a, e, i) ((e) % NT_CALLS ? (void)atomicMax(&NT_AT(a, e)[i], now_ns()) : (void)0)
+#define NT_SPAN(a, e, i) (NT_FIRST(a, e, i), NT_LAST(a, e, (i) + 1)) /* first at i, last at i + 1 */
 // One thread: print and clear the kept calls of `rank`; bit i of `first`: word i is a first
 // event. (Scalars only: a kernel-parameter struct passed by reference to a function that is
 // not inlined is copied to local memory in every thread, and that made the trace build
@@ -196,6 +197,7 @@ static __device__ __noinline__ void ntrace_flush(int rank, unsigned long long e,
 #else
 #define NT_FIRST(a, e, i) ((void)0)
 #define NT_LAST(a, e, i) ((void)0)
+#define NT_SPAN(a, e, i) ((void)0)
 #define NT_FLUSH(a, e, phase, first) ((void)0)
 #endif
 
