@@ -29,7 +29,7 @@
 #   nodesms: the 2 x 4 and 4 x 2 benches (BF16) at NODE_SMS (8 12 16) SMs per rank: how the
 #     loopback NIC's copies fare with more SMs left free (not part of `all`: name it)
 #   ntrace: the timeline of the phases across nodes (NTRACE_RUNS, "nodes ranks SMs" each,
-#     default 2 x 4 at 12 and 4 x 2 at 8) with the HEP_NODE_TRACE build in NTRACE_DIR
+#     separated by ';', default "2 4 12;4 2 8") with the HEP_NODE_TRACE build in NTRACE_DIR
 #     (.gpu/var/ntrace: printf 'ntrace HEP_NODE_TRACE\n' | bash bench/gpu_variants.sh),
 #     summarized by bench/ntrace.py (not part of `all`: name it)
 #   firstcall: FIRSTCALL_RUNS (12) fresh processes of one test_gpu_train case (FIRSTCALL_FILTER,
@@ -149,7 +149,8 @@ fi
 if named ntrace; then
   # the timeline of the phases across nodes (a HEP_NODE_TRACE build, bench/ntrace.py)
   T=${NTRACE_DIR:-.gpu/var/ntrace}
-  for run in ${NTRACE_RUNS:-"2 4 12" "4 2 8"}; do
+  IFS=';' read -ra runs <<< "${NTRACE_RUNS:-2 4 12;4 2 8}"
+  for run in "${runs[@]}"; do
     set -- $run
     step "trace: hybridep bench --nodes $1 --ranks-per-node $2 --sms $3 ${BENCH_ARGS:-}"
     HEP_GPU_MR_MODE=dmabuf HEP_LOG_LEVEL=warn LD_LIBRARY_PATH=$T:$LD_LIBRARY_PATH $T/hybridep \
