@@ -10,7 +10,7 @@ fail=0
 for v in "dispatch_bulk.cu HEP_STRIDED_TOKENS" "dispatch_bulk.cu HEP_LAYOUT_TRACE" \
          "dispatch.cu DISPATCH_GRAB=0" "dispatch_bulk.cu DISPATCH_GRAB=1" \
          "dispatch.cu DISPATCH_RGRAB=0" "dispatch_bulk.cu DISPATCH_RGRAB=1" \
-         "dispatch.cu HEP_BLOCK_TRACE" \
+         "dispatch.cu HEP_BLOCK_TRACE" "dispatch.cu NODES_RGRAB=0" "dispatch.cu NODES_FGRAB=0" \
          "dispatch.cu HEP_STREAMING_STORES" "dispatch.cu HEP_LAYOUT_TRACE" "dispatch.cu DU=8" \
          "combine.cu HEP_STATIC_TOKENS" "combine.cu HEP_STREAMING_LOADS" \
          "dispatch.cu HEP_NODE_TRACE" "combine.cu HEP_NODE_TRACE" "node_pack.cu HEP_NODE_TRACE"; do

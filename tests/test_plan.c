@@ -317,11 +317,11 @@ static void plan_gpu_128_nodes_of_8_ranks(void **state)
     /* [node][T][R] + [T][N] + [132 blocks][N] positions; [N][132 blocks][R] block counts */
     assert_int_equal(p.buf[HEP_BUF_HANDLE_ROWS].bytes, (16 * 1024 + 16 * 128 + 132 * 128) * 4);
     /* then the pack's [T][N][R] offsets, [132 blocks][N][R] counts of them, [N][T] slot
-     * lists, the rings' counters, [2 phases][3][N][HEP_RING_DEPTH positions], and the
+     * lists, the rings' counters, [2 phases][4 kinds][N][HEP_RING_DEPTH positions], and the
      * expert-major places [T][K] and the blocks' counts per expert [132 blocks][W E_l] */
     assert_int_equal(p.buf[HEP_BUF_HANDLE_BLOCKS].bytes,
                      (132 * 1024 + 16 * 1024 + 132 * 1024 + 128 * 16 +
-                      2 * 3 * 128 * HEP_RING_DEPTH + 16 * 8 + 132 * 1024 * 2) *
+                      2 * 4 * 128 * HEP_RING_DEPTH + 16 * 8 + 132 * 1024 * 2) *
                          4);
     /* counts double-buffered: [2][N][R][E_l + 1] */
     assert_int_equal(p.buf[HEP_BUF_COUNTS].bytes, 2 * 128 * 8 * 3 * 4);

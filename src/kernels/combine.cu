@@ -98,7 +98,7 @@ __device__ __forceinline__ void combine_done(const hep_kargs &a, unsigned long l
         if (atomicAdd(done, 1u) == gridDim.x - 1) {
             a.work[HEP_WORK_COMBINE] = 0;
             *done = 0;
-            for (int j = 0; a.N > 1 && j < 3 * a.N * HEP_RING_DEPTH; j++)
+            for (int j = 0; a.N > 1 && j < HEP_RING_CTR_KINDS * a.N * HEP_RING_DEPTH; j++)
                 ring_ctr(a, 1, 0, 0)[j] = 0; /* the next combine's ring counters */
             *a.cepoch = c;
             fence_peers(a);

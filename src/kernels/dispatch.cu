@@ -240,7 +240,7 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
 #define DISPATCH_GRAB 1
 #endif
 #endif
-template <bool GRAB = DISPATCH_GRAB>
+template <bool GRAB = DISPATCH_GRAB, bool RANK = false>
 __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const *s_x,
                           float *const *s_prob, float *const *s_scale, int *grab,
                           int *drop_cnt = NULL, const int *base = NULL, const int *pre = NULL,
@@ -252,12 +252,12 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
                                    : ld_l2(a.meta + L * a.R + lane);
     int t0, t1;
     block_range(v.t, blockIdx.x, gridDim.x, t0, t1);
-    if (pre_all) {
+    if (RANK || pre_all) {
         const int nw = blockDim.x >> 5, W = gridDim.x * nw;
         const int chunk = (v.t + gridDim.x - 1) / gridDim.x; /* block_range's */
         for (int i = blockIdx.x * nw + (threadIdx.x >> 5); i < v.t;) {
             push_token(a, v, L, i, i, mybase, s_x, s_prob, s_scale, drop_cnt,
-                       pre_all + (size_t)(i / chunk) * a.R);
+                       RANK ? NULL : pre_all + (size_t)(i / chunk) * a.R);
             unsigned k = 0;
             if (lane == 0)
                 k = atomicAdd(a.work + HEP_WORK_DISPATCH, 1u);
@@ -342,6 +342,21 @@ __device__ void record_routing(const hep_kargs &a)
 static_assert(DISPATCH_THREADS >= HEP_GPU_MAX_NODES, "one thread per other node (wait_slots)");
 
 // ---- N > 1: the inter-node rings (kernels/ring.cuh), both sides in this kernel.
+// The rank's warps share its work across nodes: the own tokens through the rank's token
+// counter (NODES_RGRAB: push_list's; their positions are made rank-wide before the push),
+// and each landed chunk's rows through the position's count of rows taken (NODES_FGRAB), so
+// that the rank's forwarding starts when its warps are done, not its slowest SM's share.
+// With fixed shares the own push ended 0.6 ms apart between a rank's first and last warp
+// at 2 x 4 x 12 SMs (HEP_NODE_TRACE), and the forwarding of chunk 0, landed meanwhile,
+// waited for the last; shared, dispatch is 3-7% faster there with plain stores, 5% with
+// the bulk build forced (bench/NOTES.md, session 17). (On one node the bulk build keeps
+// fixed shares: there the rank's counter was 10% slower, with one rank alone on the GPU.)
+#ifndef NODES_RGRAB
+#define NODES_RGRAB 1
+#endif
+#ifndef NODES_FGRAB
+#define NODES_FGRAB NODES_RGRAB
+#endif
 #ifndef RING_DU
 /* 16-byte vectors a lane in flight when forwarding a chunk: the rings' state is live there
  * too, and with DU (or 8) of them ptxas spills registers in the across-nodes instance; 6
@@ -444,9 +459,11 @@ __device__ __forceinline__ lview ring_view(const hep_kargs &a, int s, int p, int
 #include "kernels/expert_major.cuh"
 
 // Chunk k of the ring from node L (its slot s here, cnt tokens, n chunks): once it landed,
-// every block forwards its share to the node-mates (nothing when the layout exceeded the
-// receive capacity: the chunk is still consumed; EM: its rows are still placed for the
-// handle), and the last block frees it.
+// every block forwards rows of it to the node-mates (NODES_FGRAB: each warp takes the next
+// untaken row from the position's count, so blocks that come late take fewer; else the
+// block's share), nothing when the layout exceeded the receive capacity (the chunk is still
+// consumed; EM: its rows are still placed for the handle, by fixed shares), and the last
+// block to count itself frees it (ring_consumed, which clears the count of rows taken).
 template <bool EM>
 __device__ bool forward_chunk(const hep_kargs &a, int L, int k, int n, int cnt, bool over,
                               unsigned long long e, char *const *s_x, float *const *s_prob,
@@ -474,11 +491,24 @@ __device__ bool forward_chunk(const hep_kargs &a, int L, int k, int n, int cnt, 
     } else if (!over) {
         const lview v = ring_view(a, s, k % a.P, rows);
         const int mybase = lane < a.R ? ld_l2(a.meta + L * a.R + lane) : 0;
+#if NODES_FGRAB
+        int *taken = ring_ctr(a, 0, RING_TAKEN, s) + k % a.P; /* zero: see ring_consumed */
+        for (;;) {
+            int r = 0;
+            if (lane == 0)
+                r = atomicAdd(taken, 1);
+            r = __shfl_sync(FULL, r, 0);
+            if (r >= rows)
+                break;
+            push_token<RING_DU>(a, v, L, k * a.C + r, r, mybase, s_x, s_prob, s_scale, drop_cnt);
+        }
+#else
         int r0, r1, w0, w1;
         block_range(rows, blockIdx.x, gridDim.x, r0, r1);
         warp_range(r0, r1, threadIdx.x >> 5, blockDim.x >> 5, w0, w1);
         for (int r = w0; r < w1; r++)
             push_token<RING_DU>(a, v, L, k * a.C + r, r, mybase, s_x, s_prob, s_scale, drop_cnt);
+#endif
         bulk_wait_all(); /* HEP_BULK_STORES: the chunk's copies are done */
     }
     __syncthreads();
@@ -553,8 +583,10 @@ __device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool ove
     if (EM && !over) /* also the node-mates' outputs into s_x, s_prob, s_scale */
         em_push<RING_DU>(a, s, s_x, s_prob, s_scale);
     else if (!over)
-        push_list<false>(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, NULL,
-                         drop_at(a, drop_base, a.node));
+        push_list<false, NODES_RGRAB>(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, NULL,
+                                      drop_at(a, drop_base, a.node));
+    if (!EM && NODES_RGRAB) /* the last block done with the counter resets it */
+        work_done(a.work + HEP_WORK_DISPATCH, 1, a.work + HEP_WORK_DISPATCH_DONE);
     if ((threadIdx.x & 31) == 0)
         NT_SPAN(a, e, 7);
     for (int k = 0; k < steps; k++) {

@@ -171,12 +171,15 @@
 #define HEP_PX_NODE_WORDS (HEP_PX_RING_SKIP + 3)
 #define HEP_PX_WORD(N, phase, m) (((size_t)(phase) * (size_t)(N) + (size_t)(m)) * HEP_PX_NODE_WORDS)
 /* The GPU kernels' ring counters (device i32 scratch, zero at a call's start), per phase
- * (0 dispatch, 1 combine): [3][N][HEP_RING_DEPTH]: the producers done with the chunk in
- * each position of the ring to node m (dispatch: blocks; combine: reducing warps), the
- * consumers done with it in each position of the ring from node m (dispatch: blocks that
- * forwarded it; combine: own tokens that read their partial sum in it), and at [2][m][0]
- * the chunks of the ring from m whose credit was published (in chunk order). */
-#define HEP_RING_CTR_WORDS(N) (2 * 3 * (N) * HEP_RING_DEPTH)
+ * (0 dispatch, 1 combine): [HEP_RING_CTR_KINDS][N][HEP_RING_DEPTH]: the producers done with
+ * the chunk in each position of the ring to node m (dispatch: blocks; combine: reducing
+ * warps), the consumers done with it in each position of the ring from node m (dispatch:
+ * blocks that forwarded it; combine: own tokens that read their partial sum in it), at
+ * [2][m][0] the chunks of the ring from m whose credit was published (in chunk order), and
+ * (dispatch) the rows of the chunk in each position of the ring from m that warps took to
+ * forward (reset by the chunk's last consumer). */
+#define HEP_RING_CTR_KINDS 4
+#define HEP_RING_CTR_WORDS(N) (2 * HEP_RING_CTR_KINDS * (N) * HEP_RING_DEPTH)
 
 /* The waits of the timeout record. The ring's (N > 1, kernels/ring.cuh) expect and see
  * HEP_RING_VAL(call, chunks): a chunk that did not land (its sender named), or a credit

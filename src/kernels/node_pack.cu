@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(PACK_THREADS, 1) k_node_pack(hep_kargs a)
     if (b == 0) { /* the previous call's blocks went out before this call was submitted */
         for (int j = tid; j < N * CBI; j += blockDim.x)
             cblocks[(size_t)(j / CBI) * 2 * CBW + j % CBI] = 0;
-        for (int j = tid; j < 3 * N * HEP_RING_DEPTH; j += blockDim.x)
+        for (int j = tid; j < HEP_RING_CTR_KINDS * N * HEP_RING_DEPTH; j += blockDim.x)
             a.ring_ctr[j] = 0; /* the dispatch kernel's ring counters (after this kernel) */
     }
     __syncthreads();

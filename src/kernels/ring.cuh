@@ -28,7 +28,7 @@
 
 #include "kernels/lists.cuh"
 
-enum { RING_PRODUCED = 0, RING_CONSUMED = 1, RING_PUBLISHED = 2 };
+enum { RING_PRODUCED = 0, RING_CONSUMED = 1, RING_PUBLISHED = 2, RING_TAKEN = 3 };
 
 __device__ __forceinline__ int ring_chunks(int tokens, int C)
 {
@@ -49,7 +49,7 @@ __device__ __forceinline__ size_t ring_base_word(const hep_kargs &a)
 
 __device__ __forceinline__ int *ring_ctr(const hep_kargs &a, int phase, int which, int m)
 {
-    return a.ring_ctr + (((size_t)phase * 3 + which) * a.N + m) * HEP_RING_DEPTH;
+    return a.ring_ctr + (((size_t)phase * HEP_RING_CTR_KINDS + which) * a.N + m) * HEP_RING_DEPTH;
 }
 
 __device__ __forceinline__ unsigned long long *px_node(const hep_kargs &a, int phase, int m)
@@ -118,8 +118,9 @@ __device__ __forceinline__ bool ring_wait_landed(const hep_kargs &a,
 
 // One thread, after its reads of chunk k of slot s (node L's) are done: counts `n` consumed
 // units against `per_chunk` a chunk (blocks, or tokens); the one that completes the chunk
-// publishes its credit, after chunk k - 1's (whose last consumer is past all its waits).
-// false when that wait gave up.
+// publishes its credit, after chunk k - 1's (whose last consumer is past all its waits), and
+// (dispatch) first clears the position's count of rows taken, for the chunk that the credit
+// lets in. false when that wait gave up.
 __device__ __forceinline__ bool ring_consumed(const hep_kargs &a, int phase,
                                               unsigned long long *words, int s, int L, int k,
                                               int n, int per_chunk, unsigned long long e)
@@ -144,6 +145,8 @@ __device__ __forceinline__ bool ring_consumed(const hep_kargs &a, int phase,
         }
         __threadfence();
     }
+    if (phase == 0) /* every consumer's takes came before its count */
+        ring_ctr(a, 0, RING_TAKEN, s)[k % a.P] = 0;
     words[ring_base_word(a) + a.N + s] = HEP_RING_VAL(e, k + 1);
     __threadfence_system();
     st_release(px_node(a, phase, L) + HEP_PX_CREDIT, HEP_RING_VAL(e, k + 1));
