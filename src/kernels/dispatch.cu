@@ -206,23 +206,24 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
     }
 }
 
-// Block b's warps push tokens of list L, in one of three ways (bench/NOTES.md, sessions 13
-// and 14, has what each gave):
+// Block b's warps push tokens of list L, in one of three ways (bench/NOTES.md, sessions 13,
+// 14 and 17, has what each gave):
 //  - `pre_all` (plain stores, one node, rank-major: the build where node-mates share this
-//    GPU, a token going to up to R of them): the rank's warps share its tokens through the
-//    counter HEP_WORK_DISPATCH. Warp g of the grid (b x warps + w) takes token g first,
-//    then token W + k (W warps in all) for each k the counter gives it after a push, so
-//    that the rank ends with its last warp, not with its slowest block: blocks of equal
-//    tokens took from 0.61 to 0.93 ms at eight ranks x 16 SMs (HEP_BLOCK_TRACE). A token's
-//    positions are its own block's, made rank-wide by pre_all[its block] (own_layout) as
-//    it is pushed. The kernel's last block resets the counter (work_done).
+//    GPU, a token going to up to R of them) or RANK (across nodes, rank-major, both
+//    builds): the rank's warps share its tokens through the counter HEP_WORK_DISPATCH.
+//    Warp g of the grid (b x warps + w) takes token g first, then token W + k (W warps in
+//    all) for each k the counter gives it after a push, so that the rank ends with its last
+//    warp, not with its slowest block: blocks of equal tokens took from 0.61 to 0.93 ms at
+//    eight ranks x 16 SMs (HEP_BLOCK_TRACE). On one node a token's positions are its own
+//    block's, made rank-wide by pre_all[its block] (own_layout) as it is pushed; across
+//    nodes they are rank-wide already (rebase_list). The kernel's last block resets the
+//    counter (work_done).
 //  - GRAB (plain stores otherwise): warp w takes the block's token w first, then the
 //    block's next untaken one from the shared counter `grab` (zero before the call; one
 //    call a kernel).
 //  - otherwise each warp takes consecutive tokens of the block's share: with bulk stores
-//    (one rank a GPU) either counter was slower (40% at 16 SMs for the block's, 10% for the
-//    rank's), and across nodes (GRAB false) the block's counter was within that path's
-//    noise.
+//    on one node (one rank a GPU) either counter was slower (40% at 16 SMs for the block's,
+//    10% for the rank's).
 // DISPATCH_RGRAB and DISPATCH_GRAB override the choices (tuning). The row bases are block
 // 0's (meta), or with `base` the block's own (shared memory), its positions then made
 // rank-wide by `pre` as they are pushed.
