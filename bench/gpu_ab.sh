@@ -51,6 +51,9 @@ for r in $(seq 1 "${AB_ROUNDS:-2}"); do
     run $d "$n" --dtype fp8 --sweep-sms 16
   done
 done
+# (the layout trace builds' one-rank runs; AB_SET=nodes leaves them out: a HEP_NODE_TRACE
+# build is for bench/gpu_check.sh ntrace)
+[ "${AB_SET:-kernels}" = nodes ] && exit 0
 for t in $(ls .gpu/var 2>/dev/null | grep trace); do
   for args in "--ranks-per-node 1 --experts-per-rank 8 --topk 8 --sms 132" \
               "--ranks-per-node 1 --experts-per-rank 8 --topk 8 --sms 132 --tokens 512" \
