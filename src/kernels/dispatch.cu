@@ -117,30 +117,35 @@ __device__ __forceinline__ void push_row(const uint4 *src, bool slot, unsigned m
     }
 }
 
-// One warp pushes token i of list L: its row, probabilities and scales at every destination.
-// A row at or past the receive capacity is not written (only a layout of HEP_ASYNC has
-// one); with `drop_cnt` (this rank's published counts of list L) each of its local experts
-// there is taken off the count, which the destination sums again after the arrivals.
-// Token i of the list is row vi of the view (the same for the own tokens); a slot's token
-// takes its positions from the offsets its sender shipped and records them in dest_rows
-// (list L's positions, which combine reads). With `pre` (the blocks' own layout) the own
-// token's positions are its block's: made rank-wide here (plus pre[d], the rows of the
-// earlier blocks) and recorded.
-template <int U = DU>
-__device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, int L, int i,
-                                           int vi, int mybase, char *const *s_x,
-                                           float *const *s_prob, float *const *s_scale,
-                                           int *drop_cnt, const int *pre = NULL)
+// What one warp needs to push token i of list L besides its row (token_meta): lane d's
+// row at destination d (-1: none), the destinations written, and lane k's share of the
+// token's probabilities and scales (token_tail writes them).
+struct tok_meta {
+    unsigned mask;
+    int row, kd, ke;
+    float pk;
+    bool writer, vec_scale;
+    float4 sc;
+};
+
+// Token i of list L (row vi of the view, the same for the own tokens): its positions,
+// slots, weights and scales, loaded together before any of them is used (one memory round
+// trip ahead of the row's loads, not three in a row). A row at or past the receive
+// capacity is not written (only a layout of HEP_ASYNC has one); with `drop_cnt` (this
+// rank's published counts of list L) each of its local experts there is taken off the
+// count, which the destination sums again after the arrivals. A slot's token takes its
+// positions from the offsets its sender shipped and records them in dest_rows (list L's
+// positions, which combine reads). With `pre` (the blocks' own layout) the own token's
+// positions are its block's: made rank-wide here (plus pre[d], the rows of the earlier
+// blocks) and recorded. m.mask = 0: nothing to write.
+__device__ __forceinline__ tok_meta token_meta(const hep_kargs &a, const lview &v, int L, int i,
+                                               int vi, int mybase, const float *const *s_scale,
+                                               int *drop_cnt, const int *pre)
 {
     const int R = a.R, El = a.El, lane = threadIdx.x & 31;
     const long long first = (long long)a.rank0 * El;
-    const size_t rb = (size_t)a.H * a.esize, T = (size_t)a.T;
-    const int nvec = (int)(rb / 16);
-    /* equal passes: a 14 KB row is two passes of 448 vectors, not 512 + 384 */
-    const int passes = (nvec + 32 * U - 1) / (32 * U);
-    const int per_pass = ((nvec + passes - 1) / passes + 31) & ~31;
-    // the token's positions, slots, weights and scales are loaded together, before any of
-    // them is used: one memory round trip ahead of the row's loads, not three in a row
+    const size_t T = (size_t)a.T;
+    tok_meta m;
     int *drow = a.dest_rows + ((size_t)L * T + i) * R;
     /* (L2: with a rank-wide token counter another block's scan wrote them) */
     int pos = lane >= R ? -1 : __ldcg(v.off ? v.off + (size_t)vi * R + lane : drow + lane);
@@ -153,57 +158,84 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
     i = vi; /* from here on, the view's row */
     const long long myid = lane < v.K ? list_id(a, v, i, lane) : -2;
     const float myw = lane < v.K ? list_w(a, v, i, lane) : 0.f;
-    const bool vec_scale = a.nscale % 4 == 0 && a.nscale <= 128 &&
-                           ((uintptr_t)v.scl & 15) == 0 && ((uintptr_t)s_scale[0] & 15) == 0;
-    float4 sc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (vec_scale && lane < a.nscale / 4) /* one 16-byte vector a lane where they fit */
-        sc = v.slot ? __ldcg((const float4 *)(v.scl + (size_t)i * a.nscale) + lane)
-                    : ((const float4 *)(v.scl + (size_t)i * a.nscale))[lane];
+    m.vec_scale = a.nscale % 4 == 0 && a.nscale <= 128 && ((uintptr_t)v.scl & 15) == 0 &&
+                  ((uintptr_t)s_scale[0] & 15) == 0;
+    m.sc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m.vec_scale && lane < a.nscale / 4) /* one 16-byte vector a lane where they fit */
+        m.sc = v.slot ? __ldcg((const float4 *)(v.scl + (size_t)i * a.nscale) + lane)
+                      : ((const float4 *)(v.scl + (size_t)i * a.nscale))[lane];
     const bool dropped = pos >= 0 && a.cap && mybase + pos >= a.cap;
-    const int row = pos >= 0 && !dropped ? mybase + pos : -1;
-    const unsigned mask = __ballot_sync(FULL, row >= 0);
+    m.row = pos >= 0 && !dropped ? mybase + pos : -1;
+    m.mask = __ballot_sync(FULL, m.row >= 0);
     const unsigned dmask = __ballot_sync(FULL, dropped);
-    if (!mask && !dmask)
-        return;
+    m.writer = false, m.kd = -1, m.ke = 0, m.pk = 0.f;
+    if (!m.mask && !dmask)
+        return m;
     // once per token, lane k: slot k's expert at this node and its probability, summed
     // over the slots of the same expert (in slot order); the first such slot writes it
     const bool here = myid >= first && myid < first + (long long)R * El;
-    float pk = 0.f;
     bool writer = here;
     for (int q = 0; q < v.K; q++) {
         const long long x = __shfl_sync(FULL, myid, q);
         const float w = __shfl_sync(FULL, myw, q);
-        pk += x == myid ? w : 0.f;
+        m.pk += x == myid ? w : 0.f;
         writer &= !(q < lane && x == myid);
     }
-    const int kd = here ? (int)((myid - first) / El) : -1;
-    const int ke = here ? (int)((myid - first) % El) : 0;
-    if (dmask) { /* the scan counted each (destination, expert) of the token once */
-        if (drop_cnt && writer && ((dmask >> kd) & 1u))
-            atomicSub(drop_cnt + kd * (El + 1) + 1 + ke, 1);
-        if (!mask)
-            return;
-    }
-    push_row<U>((const uint4 *)(v.tok + (size_t)i * rb), v.slot, mask, lane, row, s_x, rb, nvec,
-             per_pass);
-    for (unsigned m = mask; m; m &= m - 1) {
-        const int d = __ffs(m) - 1;
-        const int r = __shfl_sync(FULL, row, d);
+    m.writer = writer;
+    m.kd = here ? (int)((myid - first) / El) : -1;
+    m.ke = here ? (int)((myid - first) % El) : 0;
+    /* the scan counted each (destination, expert) of the token once */
+    if (dmask && drop_cnt && writer && ((dmask >> m.kd) & 1u))
+        atomicSub(drop_cnt + m.kd * (El + 1) + 1 + m.ke, 1);
+    return m;
+}
+
+// The token's probabilities and scales at every destination in m.mask (row vi of the view).
+__device__ __forceinline__ void token_tail(const hep_kargs &a, const lview &v, int vi,
+                                           const tok_meta &m, float *const *s_prob,
+                                           float *const *s_scale)
+{
+    const int El = a.El, lane = threadIdx.x & 31;
+    for (unsigned mm = m.mask; mm; mm &= mm - 1) {
+        const int d = __ffs(mm) - 1;
+        const int r = __shfl_sync(FULL, m.row, d);
         float *prob = s_prob[d] + (size_t)r * El;
         for (int j = lane; j < El; j += 32)
             prob[j] = 0.f;
         __syncwarp(); /* orders the zeros before the slots' values, lane to lane */
-        if (writer && kd == d)
-            prob[ke] = pk;
-        if (vec_scale) {
+        if (m.writer && m.kd == d)
+            prob[m.ke] = m.pk;
+        if (m.vec_scale) {
             if (lane < a.nscale / 4)
-                ((float4 *)(s_scale[d] + (size_t)r * a.nscale))[lane] = sc;
+                ((float4 *)(s_scale[d] + (size_t)r * a.nscale))[lane] = m.sc;
         } else {
             for (int c = lane; c < a.nscale; c += 32)
                 s_scale[d][(size_t)r * a.nscale + c] =
-                    v.slot ? __ldcg(v.scl + (size_t)i * a.nscale + c) : v.scl[(size_t)i * a.nscale + c];
+                    v.slot ? __ldcg(v.scl + (size_t)vi * a.nscale + c)
+                           : v.scl[(size_t)vi * a.nscale + c];
         }
     }
+}
+
+// One warp pushes token i of list L (row vi of the view): its row, probabilities and
+// scales at every destination (token_meta says which and where).
+template <int U = DU>
+__device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, int L, int i,
+                                           int vi, int mybase, char *const *s_x,
+                                           float *const *s_prob, float *const *s_scale,
+                                           int *drop_cnt, const int *pre = NULL)
+{
+    const size_t rb = (size_t)a.H * a.esize;
+    const int nvec = (int)(rb / 16);
+    /* equal passes: a 14 KB row is two passes of 448 vectors, not 512 + 384 */
+    const int passes = (nvec + 32 * U - 1) / (32 * U);
+    const int per_pass = ((nvec + passes - 1) / passes + 31) & ~31;
+    const tok_meta m = token_meta(a, v, L, i, vi, mybase, s_scale, drop_cnt, pre);
+    if (!m.mask)
+        return;
+    push_row<U>((const uint4 *)(v.tok + (size_t)vi * rb), v.slot, m.mask, threadIdx.x & 31,
+                m.row, s_x, rb, nvec, per_pass);
+    token_tail(a, v, vi, m, s_prob, s_scale);
 }
 
 // Block b's warps push tokens of list L, in one of three ways (bench/NOTES.md, sessions 13,
