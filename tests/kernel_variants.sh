@@ -10,16 +10,19 @@ fail=0
 for v in "dispatch_bulk.cu HEP_STRIDED_TOKENS" "dispatch_bulk.cu HEP_LAYOUT_TRACE" \
          "dispatch.cu DISPATCH_GRAB=0" "dispatch_bulk.cu DISPATCH_GRAB=1" \
          "dispatch.cu DISPATCH_RGRAB=0" "dispatch_bulk.cu DISPATCH_RGRAB=1" \
+         "dispatch_bulk.cu BULK_PIPE=0" "dispatch_bulk.cu BULK_NS=5 BULK_CH=2048" \
          "dispatch.cu HEP_BLOCK_TRACE" "dispatch.cu NODES_RGRAB=0" "dispatch.cu NODES_FGRAB=0" \
          "dispatch.cu HEP_STREAMING_STORES" "dispatch.cu HEP_LAYOUT_TRACE" "dispatch.cu DU=8" \
          "combine.cu HEP_STATIC_TOKENS" "combine.cu HEP_STREAMING_LOADS" \
          "dispatch.cu HEP_NODE_TRACE" "combine.cu HEP_NODE_TRACE" "node_pack.cu HEP_NODE_TRACE"; do
   set -- $v
-  if "$nvcc" -arch=sm_90 -O3 -std=c++17 -I"$src/src" -I"$src/include" -cubin -D"$2" \
-      --Werror all-warnings -o "$tmp/k.cubin" "$src/src/kernels/$1" > "$tmp/log" 2>&1; then
-    echo "ok: $1 -D$2"
+  f=$1; shift
+  defs=$(for d in "$@"; do printf -- '-D%s ' "$d"; done) # one file, its definitions
+  if "$nvcc" -arch=sm_90 -O3 -std=c++17 -I"$src/src" -I"$src/include" -cubin $defs \
+      --Werror all-warnings -o "$tmp/k.cubin" "$src/src/kernels/$f" > "$tmp/log" 2>&1; then
+    echo "ok: $f $defs"
   else
-    echo "FAILED: $1 -D$2"; cat "$tmp/log"; fail=1
+    echo "FAILED: $f $defs"; cat "$tmp/log"; fail=1
   fi
 done
 exit $fail

@@ -56,7 +56,25 @@ __device__ __forceinline__ void bulk_wait_all()
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     asm volatile("fence.proxy.async.global;" ::: "memory");
 }
-#define STAGE_BYTES ((size_t)(DISPATCH_THREADS / 32) * 32 * DU * 16)
+/* The pipelined push (push_list_bulk): each warp's ring of BULK_NS stages of BULK_CH bytes
+ * (a mbarrier each, in static shared memory); BULK_LAG chunks' stores may still read their
+ * stages while BULK_NS - BULK_LAG chunks load. The stage region holds it or push_row's stage,
+ * whichever is larger. */
+#ifndef BULK_PIPE
+#define BULK_PIPE 1
+#endif
+#ifndef BULK_NS
+#define BULK_NS 3
+#endif
+#ifndef BULK_CH
+#define BULK_CH 3584
+#endif
+#ifndef BULK_LAG
+#define BULK_LAG 1
+#endif
+#define ROW_STAGE_BYTES ((size_t)(DISPATCH_THREADS / 32) * 32 * DU * 16)
+#define RING_STAGE_BYTES ((size_t)(DISPATCH_THREADS / 32) * BULK_NS * BULK_CH)
+#define STAGE_BYTES (ROW_STAGE_BYTES > RING_STAGE_BYTES ? ROW_STAGE_BYTES : RING_STAGE_BYTES)
 #else
 #define STAGE_BYTES ((size_t)0)
 __device__ __forceinline__ void bulk_wait_all() {}
@@ -238,6 +256,89 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
     token_tail(a, v, vi, m, s_prob, s_scale);
 }
 
+#ifdef HEP_BULK_STORES
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity)
+{
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{\n\t.reg .pred p;\n\t"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(done)
+                     : "r"(bar), "r"(parity)
+                     : "memory");
+}
+
+// One warp pushes tokens [w0, w1) of list L with no registers on the rows' path: the rows
+// stream through the warp's ring of BULK_NS shared-memory stages in chunks of BULK_CH bytes.
+// Lane 0 loads chunk n (item n = token w0 + n / nch, chunk n % nch) with a bulk copy
+// (global -> shared, completing on the stage's mbarrier); once it landed, every lane whose
+// destination gets the token stores it with a bulk copy (shared -> global), and the stage
+// whose stores are BULK_LAG chunks back is loaded with chunk n + BULK_NS - BULK_LAG. The
+// loads run ahead across tokens while a token's metadata is loaded and its probabilities and
+// scales written (token_meta, token_tail). At one rank it is 2-5% faster than one stage a
+// warp filled through registers (push_row), equal at 64 SMs (bench/NOTES.md, session 18).
+// Every chunk is waited for even where no destination takes it, so that each stage's
+// mbarrier phase is its use count. (The mbarrier wait is on this warp's own copy, not on
+// another rank: it ends unless the copy faults, which ends the kernel.)
+__device__ void push_range_bulk(const hep_kargs &a, const lview &v, int L, int w0, int w1,
+                                int mybase, char *const *s_x, float *const *s_prob,
+                                float *const *s_scale, int *drop_cnt, const int *pre,
+                                unsigned long long *bars)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned rb = (unsigned)((size_t)a.H * a.esize), nch = (rb + BULK_CH - 1) / BULK_CH;
+    const unsigned n_end = (unsigned)max(w1 - w0, 0) * nch;
+    const unsigned bar0 = (unsigned)__cvta_generic_to_shared(bars + warp * BULK_NS);
+    const unsigned st0 = (unsigned)__cvta_generic_to_shared(hep_stage) +
+                         (unsigned)(warp * BULK_NS * BULK_CH);
+    if (n_end == 0)
+        return;
+    if (lane < BULK_NS)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + lane * 8) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    __syncwarp();
+    auto load = [&](unsigned n) {
+        if (n >= n_end || lane != 0)
+            return;
+        const unsigned s = n % BULK_NS, c = n % nch, off = c * BULK_CH;
+        const unsigned bytes = min((unsigned)BULK_CH, rb - off);
+        const char *src = v.tok + (size_t)(w0 + (int)(n / nch)) * rb + off;
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar0 + s * 8),
+                     "r"(bytes)
+                     : "memory");
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                     "[%0], [%1], %2, [%3];" ::"r"(st0 + s * BULK_CH),
+                     "l"(src), "r"(bytes), "r"(bar0 + s * 8)
+                     : "memory");
+    };
+    for (unsigned n = 0; n + BULK_LAG < BULK_NS; n++)
+        load(n);
+    for (int i = w0; i < w1; i++) {
+        const tok_meta m = token_meta(a, v, L, i, i, mybase, s_scale, drop_cnt, pre);
+        const unsigned n0 = (unsigned)(i - w0) * nch;
+        for (unsigned c = 0; c < nch; c++) {
+            const unsigned n = n0 + c, s = n % BULK_NS, off = c * BULK_CH;
+            mbar_wait(bar0 + s * 8, (n / BULK_NS) & 1u);
+            if ((m.mask >> lane) & 1u) {
+                char *dst = s_x[lane] + (size_t)m.row * rb + off;
+                asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
+                                 dst),
+                             "r"(st0 + s * BULK_CH), "r"(min((unsigned)BULK_CH, rb - off))
+                             : "memory");
+            }
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+            /* chunk n + NS - LAG goes to the stage of chunk n - LAG, whose stores read it */
+            asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(BULK_LAG) : "memory");
+            __syncwarp();
+            load(n + BULK_NS - BULK_LAG);
+        }
+        if (m.mask)
+            token_tail(a, v, i, m, s_prob, s_scale);
+    }
+}
+#endif
+
 // Block b's warps push tokens of list L, in one of three ways (bench/NOTES.md, sessions 13,
 // 14 and 17, has what each gave):
 //  - `pre_all` (plain stores, one node, rank-major: the build where node-mates share this
@@ -308,12 +409,21 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
     } else {
 #ifdef HEP_STRIDED_TOKENS
         for (int i = t0 + (threadIdx.x >> 5); i < t1; i += blockDim.x >> 5)
+            push_token(a, v, L, i, i, mybase, s_x, s_prob, s_scale, drop_cnt, pre);
 #else
         int w0, w1;
         warp_range(t0, t1, threadIdx.x >> 5, blockDim.x >> 5, w0, w1);
-        for (int i = w0; i < w1; i++)
+#if defined(HEP_BULK_STORES) && BULK_PIPE
+        __shared__ unsigned long long s_bars[DISPATCH_THREADS / 32 * BULK_NS];
+        if (!v.slot) { /* the own tokens (a slot's rows land late: ld_cg, one token a time) */
+            push_range_bulk(a, v, L, w0, w1, mybase, s_x, s_prob, s_scale, drop_cnt, pre,
+                            s_bars);
+            w0 = w1;
+        }
 #endif
+        for (int i = w0; i < w1; i++)
             push_token(a, v, L, i, i, mybase, s_x, s_prob, s_scale, drop_cnt, pre);
+#endif
     }
     bulk_wait_all(); /* HEP_BULK_STORES: the list's copies are done (and their stage read) */
 }
