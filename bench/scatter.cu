@@ -29,7 +29,7 @@
 // its copies at its destinations (ascending destination), rounded to BF16 once, written to
 // an output row (BF16 only; the destinations hold a plain scatter's rows first):
 //   rplain: one warp a token, passes of CU = 4 vectors a lane of CD = 2 rows in flight
-//           (the library's combine, 512 threads)
+//           (the library's combine, 512 threads); rp44, rp24: CU x CD = 4 x 4, 2 x 4
 //   rtma...: each warp streams its tokens' (chunk, destination) pieces through a ring of NS
 //           shared-memory stages of CH bytes with bulk copies (global -> shared, lane 0,
 //           an mbarrier a stage); every lane adds its part of each landed piece and stores
@@ -97,6 +97,8 @@ enum {
     TMA_CONFIGS(TMA_MODE)
 #undef TMA_MODE
     M_RPLAIN,
+    M_RP44,
+    M_RP24,
 #define RTMA_MODE(name, nw, ns, ch) M_##name,
     RTMA_CONFIGS(RTMA_MODE) RASYNC_CONFIGS(RTMA_MODE)
 #undef RTMA_MODE
@@ -107,7 +109,7 @@ static const char *mode_name[M_COUNT] = {"plain", "stcs",    "bulk",   "write", 
 #define TMA_MODE(name, nw, ns, ch, lag) #name,
                                          TMA_CONFIGS(TMA_MODE)
 #undef TMA_MODE
-                                         "rplain",
+                                         "rplain", "rp44", "rp24",
 #define RTMA_MODE(name, nw, ns, ch) #name,
                                          RTMA_CONFIGS(RTMA_MODE) RASYNC_CONFIGS(RTMA_MODE)
 #undef RTMA_MODE
@@ -938,6 +940,12 @@ int main(int argc, char **argv)
 #undef TMA_MODE
                 case M_RPLAIN:
                     k_rplain<<<nb, THREADS>>>(a);
+                    break;
+                case M_RP44:
+                    k_rplain<4, 4><<<nb, THREADS>>>(a);
+                    break;
+                case M_RP24:
+                    k_rplain<2, 4><<<nb, THREADS>>>(a);
                     break;
 #define RTMA_MODE(name, nw, ns, ch)                                                        \
     case M_##name:                                                                         \
