@@ -20,6 +20,12 @@
 #ifndef COMBINE_THREADS
 #define COMBINE_THREADS 512
 #endif
+/* Rows a warp loads together when it sums an own token's rows on one node with node-mates
+ * (R > 1; one rank alone keeps two: its tokens have one row, and the four-row instance's
+ * spills slowed that copy by up to 30%). bench/NOTES.md, session 18. */
+#ifndef COMBINE_CD
+#define COMBINE_CD 4
+#endif
 #ifdef HEP_STREAMING_LOADS
 #define LD_ROW(p) __ldcs(p)
 #else
@@ -115,7 +121,7 @@ static_assert(COMBINE_THREADS >= HEP_GPU_MAX_NODES, "one thread per node (tid < 
 
 // Own token i: the f32 sum of its rows (across nodes once its partial sums landed), its
 // probabilities, then (rings that wrap) its chunks freed. false when a wait gave up.
-template <bool EM, bool NODES, bool WHOLE>
+template <bool EM, bool NODES, bool WHOLE, int OCD>
 __device__ __forceinline__ bool own_token(const hep_kargs &a, const char *const *s_x,
                                           const float *const *s_pin, unsigned long long c, int i,
                                           size_t rb, int mybase, const char *parts,
@@ -127,7 +133,7 @@ __device__ __forceinline__ bool own_token(const hep_kargs &a, const char *const 
     if (EM)
         em_combine_row(a, s_x, a.node, i, out, parts);
     else
-        combine_own(a, s_x, i, mybase, out, parts, pos);
+        combine_own<NODES, OCD>(a, s_x, i, mybase, out, parts, pos);
     if (NODES && a.probs_out) { /* read before the chunks are freed */
         if (EM)
             em_combine_probs_token(a, s_pin, i);
@@ -147,7 +153,7 @@ __device__ __forceinline__ bool own_token(const hep_kargs &a, const char *const 
 // On one node, rank-major, each grab's positions are loaded together, the next grab's while
 // the first token of this one is summed, and the first grab's (first_pos) and the row bases
 // (mybase) by the caller, ahead of its waits.
-template <bool EM, bool NODES, bool WHOLE>
+template <bool EM, bool NODES, bool WHOLE, int OCD>
 __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const *s_x,
                                            const float *const *s_pin, unsigned long long c,
                                            int first_grab, const int *first_pos, int mybase)
@@ -164,7 +170,7 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
     int w0, w1;
     warp_range(0, a.t, gw, nw, w0, w1);
     for (int i = w0; i < w1; i++) {
-        if (!own_token<EM, NODES, WHOLE>(a, s_x, s_pin, c, i, rb, mybase, parts))
+        if (!own_token<EM, NODES, WHOLE, OCD>(a, s_x, s_pin, c, i, rb, mybase, parts))
             return false;
     }
     (void)first_grab, (void)first_pos, (void)lane;
@@ -198,7 +204,7 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
             for (int g = 0; g < GRAB; g++) {
                 const int i = next + g;
                 if (i < a.t &&
-                    !own_token<EM, NODES, WHOLE>(a, s_x, s_pin, c, i, rb, mybase, parts, pos[g]))
+                    !own_token<EM, NODES, WHOLE, OCD>(a, s_x, s_pin, c, i, rb, mybase, parts, pos[g]))
                     return false;
             }
             next = nxt;
@@ -217,7 +223,7 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
             if (lane == 0)
                 pending = handed + (int)atomicAdd(work, GRAB);
             for (int i = i0; i < min(a.t, i0 + GRAB); i++) {
-                if (!own_token<EM, NODES, WHOLE>(a, s_x, s_pin, c, i, rb, mybase, parts))
+                if (!own_token<EM, NODES, WHOLE, OCD>(a, s_x, s_pin, c, i, rb, mybase, parts))
                     return false;
             }
             next = __shfl_sync(FULL, pending, 0);
@@ -234,8 +240,9 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
 }
 
 // NODES: N > 1 (the rings' code is in these instances only, so that it takes no registers
-// from the one-node instances); WHOLE: N > 1 with every slot in its ring (P x C >= T).
-template <bool EM, bool NODES, bool WHOLE>
+// from the one-node instances); WHOLE: N > 1 with every slot in its ring (P x C >= T);
+// OCD: rows a warp loads together when it sums an own token's rows (combine_own).
+template <bool EM, bool NODES, bool WHOLE, int OCD = 2>
 __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
 {
     if (a.warm)
@@ -338,7 +345,7 @@ __global__ void __launch_bounds__(COMBINE_THREADS, 1) k_combine(hep_kargs a)
         else if (red && lane == 0)
             NT_SPAN(a, c, 4);
     }
-    if (owns && !own_tokens<EM, NODES, WHOLE>(a, s_x, s_pin, c, first_grab, first_pos, mybase))
+    if (owns && !own_tokens<EM, NODES, WHOLE, OCD>(a, s_x, s_pin, c, first_grab, first_pos, mybase))
         return;
     if (NODES && lane == 0)
         NT_SPAN(a, c, 8);
@@ -355,9 +362,10 @@ extern "C" int hep_launch_combine(const hep_kargs *a, int blocks, void *stream)
     if (a->emajor)
         k = a->N == 1 ? k_combine<true, false, false>
                       : whole ? k_combine<true, true, true> : k_combine<true, true, false>;
+    else if (a->N == 1) /* node-mates: a token's rows are summed COMBINE_CD at a time */
+        k = a->R > 1 ? k_combine<false, false, false, COMBINE_CD> : k_combine<false, false, false>;
     else
-        k = a->N == 1 ? k_combine<false, false, false>
-                      : whole ? k_combine<false, true, true> : k_combine<false, true, false>;
+        k = whole ? k_combine<false, true, true> : k_combine<false, true, false>;
     k<<<blocks, COMBINE_THREADS, 0, (cudaStream_t)stream>>>(*a);
     return (int)cudaGetLastError();
 }
@@ -370,10 +378,11 @@ extern "C" int hep_warm_combine(const hep_kargs *a, void *stream)
     int e = 0;
     w.warm = 1;
     w.P = 1;
-    for (int i = 0; i < 6 && e == 0; i++) { /* one node; nodes, wrapping; nodes, whole */
+    for (int i = 0; i < 8 && e == 0; i++) { /* one node (R 1, 2); nodes, wrapping; whole */
         w.emajor = i & 1;
-        w.N = i < 2 ? 1 : 2;
-        w.C = i < 4 ? 0 : w.T;
+        w.N = i < 2 || i >= 6 ? 1 : 2;
+        w.C = i < 4 || i >= 6 ? 0 : w.T;
+        w.R = i >= 6 ? 2 : 1;
         e = hep_launch_combine(&w, 1, stream);
     }
     return e;

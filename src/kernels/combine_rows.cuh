@@ -231,15 +231,17 @@ __device__ __forceinline__ void combine_row(const hep_kargs &a, const char *cons
         sum_rows<CU, CD, WIDE>(a, rs, s_x, parts, a.node, rb, (size_t)a.ST, out, np, a.N);
 }
 
-// An own token's row (N > 32: the wide count of the other nodes' partial sums).
+// An own token's row (N > 32: the wide count of the other nodes' partial sums), CD of its
+// rows loaded together (across nodes two: more spill there).
+template <bool NODES, int CD>
 __device__ __forceinline__ void combine_own(const hep_kargs &a, const char *const *s_x, int i,
                                             int mybase, uint4 *out, const char *parts,
                                             int pos = NO_POS)
 {
-    if (a.N > 32)
-        combine_row<true>(a, s_x, a.node, i, mybase, out, parts, pos);
+    if (NODES && a.N > 32)
+        combine_row<true, 4, 2>(a, s_x, a.node, i, mybase, out, parts, pos);
     else
-        combine_row<false>(a, s_x, a.node, i, mybase, out, parts, pos);
+        combine_row<false, 4, NODES ? 2 : CD>(a, s_x, a.node, i, mybase, out, parts, pos);
 }
 
 // Lane d's position of own token i at destination d (-1: none, or past the list).
