@@ -26,5 +26,5 @@ cp -L "$(ldconfig -p | awk '/libcmocka.so.0 /{print $NF; exit}')" .gpu/lib/
   -o .gpu/first_launch bench/first_launch.cu
 # the row-traffic experiment of bench/gpu_check.sh scatter
 "${CUDACXX:-/usr/local/cuda/bin/nvcc}" -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -diag-suppress 128 \
-  -o .gpu/scatter bench/scatter.cu
+  -Isrc -o .gpu/scatter bench/scatter.cu
 du -sh .gpu

@@ -34,7 +34,8 @@
 //           shared-memory stages of CH bytes with bulk copies (global -> shared, lane 0,
 //           an mbarrier a stage); every lane adds its part of each landed piece and stores
 //           the chunk's sum once its last piece is added (RTMA_CONFIGS: NW, NS, CH)
-// Build: nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90 -o scatter bench/scatter.cu
+// Build (bench/gpu_build.sh does): nvcc -O3 -std=c++17 -gencode=arch=compute_90,code=sm_90
+//        -diag-suppress 128 -Isrc -o scatter bench/scatter.cu
 // Run: scatter [--blocks 64,128] [--modes plain,bulk,...] [--iters 20] [--hidden 7168]
 //      [--esize 2] [--tokens 4096] [--sources 8|1]; prints one row per (mode, blocks) and checks the rows.
 #include <algorithm>
@@ -46,6 +47,8 @@
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include "kernels/vec.cuh" /* acc8, pack8, mbar_wait (the library's) */
 
 #define CK(x)                                                                                      \
     do {                                                                                           \
@@ -125,6 +128,27 @@ struct args {
     int nvec;         /* 16-byte vectors a row */
 };
 
+/* Block b's source r and its tokens [t0, t1) of it; zeroes the block's token counter
+ * `grab` and fills the destination table (constant indices: the parameters stay in their
+ * bank). The caller's __syncthreads publishes both. */
+struct share {
+    int r, t0, t1;
+};
+__device__ __forceinline__ share block_share(const args &a, int *grab, char **s_dst)
+{
+    share sh;
+    const int j = blockIdx.x % a.per_src, chunk = (a.T + a.per_src - 1) / a.per_src;
+    sh.r = blockIdx.x / a.per_src;
+    sh.t0 = min(a.T, j * chunk), sh.t1 = min(a.T, sh.t0 + chunk);
+    if (threadIdx.x == 0)
+        *grab = 0;
+#pragma unroll
+    for (int d = 0; d < R; d++)
+        if (threadIdx.x == d)
+            s_dst[d] = a.dst[d];
+    return sh;
+}
+
 template <int MODE, int NT = THREADS, int U = DU>
 __global__ void __launch_bounds__(NT, 1) k_scatter(args a)
 {
@@ -132,15 +156,8 @@ __global__ void __launch_bounds__(NT, 1) k_scatter(args a)
     __shared__ int grab;
     __shared__ char *s_dst[R]; /* indexed at run time: not from the parameter bank */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = NT / 32;
-    const int r = blockIdx.x / a.per_src, j = blockIdx.x % a.per_src;
-    const int chunk = (a.T + a.per_src - 1) / a.per_src;
-    const int t0 = min(a.T, j * chunk), t1 = min(a.T, t0 + chunk);
-    if (threadIdx.x == 0)
-        grab = 0;
-#pragma unroll
-    for (int d = 0; d < R; d++) /* constant indices: the parameters stay in their bank */
-        if (threadIdx.x == d)
-            s_dst[d] = a.dst[d];
+    const share sh = block_share(a, &grab, s_dst);
+    const int r = sh.r, t0 = sh.t0, t1 = sh.t1;
     __syncthreads();
     const int passes = (a.nvec + 32 * U - 1) / (32 * U);
     const int per_pass = ((a.nvec + passes - 1) / passes + 31) & ~31;
@@ -244,20 +261,6 @@ __global__ void __launch_bounds__(NT, 1) k_scatter(args a)
         asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-// The bulk-copy pipeline of the tma modes: NW warps a block, each with NS stages of CH bytes
-// and an mbarrier a stage at the start of the dynamic shared memory.
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity)
-{
-    unsigned done = 0;
-    while (!done)
-        asm volatile("{\n\t.reg .pred p;\n\t"
-                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                     "selp.u32 %0, 1, 0, p;\n\t}"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
-}
-
 // The load side of k_tma (lane 0 issues): item n = (token ltok, chunk lc) goes to stage
 // n % NS; a token's first chunk brings its R positions along on the same mbarrier. Then the
 // item after it (the warp's next token from the block's counter after the last chunk).
@@ -306,21 +309,14 @@ __global__ void __launch_bounds__(NW * 32, 1) k_tma(args a)
     __shared__ char *s_dst[R];
     __shared__ int s_tok[NW][NS]; /* the token of the chunk each stage holds, -1: none */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int r = blockIdx.x / a.per_src, j = blockIdx.x % a.per_src;
-    const int chunk = (a.T + a.per_src - 1) / a.per_src;
-    const int t0 = min(a.T, j * chunk), t1 = min(a.T, t0 + chunk);
+    const share sh = block_share(a, &grab, s_dst);
+    const int r = sh.r, t0 = sh.t0, t1 = sh.t1;
     const unsigned rb = (unsigned)a.nvec * 16u, nch = (rb + CH - 1) / CH;
     const unsigned sm0 = (unsigned)__cvta_generic_to_shared(tma_smem);
     const unsigned bar0 = sm0 + warp * NS * 8;
     const unsigned pos0 = sm0 + NW * NS * 8 + warp * NS * R * 4;
     const unsigned st0 = sm0 + NW * NS * (8 + R * 4) + warp * NS * CH;
     const int *s_pos = (const int *)(tma_smem + NW * NS * 8) + warp * NS * R;
-    if (threadIdx.x == 0)
-        grab = 0;
-#pragma unroll
-    for (int d = 0; d < R; d++) /* constant indices: the parameters stay in their bank */
-        if (threadIdx.x == d)
-            s_dst[d] = a.dst[d];
     if (lane < NS) {
         s_tok[warp][lane] = -1;
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + lane * 8) : "memory");
@@ -364,27 +360,6 @@ __global__ void __launch_bounds__(NW * 32, 1) k_tma(args a)
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-__device__ __forceinline__ void acc8(float *f, uint4 v)
-{
-    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        const float2 x = __bfloat1622float2(h[q]);
-        f[2 * q] += x.x;
-        f[2 * q + 1] += x.y;
-    }
-}
-
-__device__ __forceinline__ uint4 pack8(const float *f)
-{
-    uint4 v;
-    __nv_bfloat162 *h = (__nv_bfloat162 *)&v;
-#pragma unroll
-    for (int q = 0; q < 4; q++)
-        h[q] = __floats2bfloat162_rn(f[2 * q], f[2 * q + 1]);
-    return v;
-}
-
 /* rplain: the library's combine sums (one warp a token, CU vectors a lane of CD rows in
  * flight, passes of equal size), tokens of a block from a shared counter */
 template <int CU = 4, int CD = 2>
@@ -393,15 +368,8 @@ __global__ void __launch_bounds__(THREADS, 1) k_rplain(args a)
     __shared__ int grab;
     __shared__ char *s_dst[R];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = THREADS / 32;
-    const int r = blockIdx.x / a.per_src, j = blockIdx.x % a.per_src;
-    const int chunk = (a.T + a.per_src - 1) / a.per_src;
-    const int t0 = min(a.T, j * chunk), t1 = min(a.T, t0 + chunk);
-    if (threadIdx.x == 0)
-        grab = 0;
-#pragma unroll
-    for (int d = 0; d < R; d++)
-        if (threadIdx.x == d)
-            s_dst[d] = a.dst[d];
+    const share sh = block_share(a, &grab, s_dst);
+    const int r = sh.r, t0 = sh.t0, t1 = sh.t1;
     __syncthreads();
     const int nvec = a.nvec, passes = (nvec + 32 * CU - 1) / (32 * CU);
     const int per_pass = ((nvec + passes - 1) / passes + 31) & ~31;
@@ -459,6 +427,94 @@ __global__ void __launch_bounds__(THREADS, 1) k_rplain(args a)
     }
 }
 
+/* The reduce modes' pieces (rtma, rasync): a warp's tokens of source r from the block's
+ * counter `grab`, each token's chunks of PV vectors, each chunk's destinations ascending.
+ * Lane d holds the current token's position at destination d; the next token and its
+ * positions are fetched one token ahead. Warp-uniform: every lane calls next(). */
+struct pieces {
+    const args *a;
+    int *grab;
+    int r, t0, t1, nw, nch;
+    int tok, chunk, lp, ntok, np;
+    unsigned lm, cm; /* the token's destinations; those of the current chunk left */
+    __device__ int pos_of(int t) const
+    {
+        const int lane = threadIdx.x & 31;
+        return t < t1 && lane < R ? a->pos[((size_t)r * a->T + t) * R + lane] : -1;
+    }
+    __device__ void fetch_next()
+    {
+        int k = 0;
+        if ((threadIdx.x & 31) == 0)
+            k = atomicAdd(grab, 1);
+        ntok = t0 + nw + __shfl_sync(~0u, k, 0);
+        np = pos_of(ntok);
+    }
+    __device__ void take_next()
+    {
+        tok = ntok, lp = np, lm = __ballot_sync(~0u, lp >= 0), chunk = 0, cm = lm;
+        fetch_next();
+    }
+    __device__ void start(const args &aa, int *g, int src, int first, int end, int warps,
+                          int chunks)
+    {
+        a = &aa, grab = g, r = src, t0 = first - (threadIdx.x >> 5), t1 = end, nw = warps;
+        nch = chunks;
+        tok = first, chunk = 0, lp = pos_of(tok), lm = __ballot_sync(~0u, lp >= 0), cm = lm;
+        fetch_next();
+    }
+    /* the next piece: token, chunk, destination d and the row there, and whether it is the
+     * chunk's last; false when the warp's tokens are done */
+    __device__ bool next(int &t, int &c, int &d, int &row, bool &last)
+    {
+        while (tok < t1 && cm == 0) /* a token with no destination: nothing to sum */
+            take_next();
+        if (tok >= t1)
+            return false;
+        d = __ffs(cm) - 1;
+        row = __shfl_sync(~0u, lp, d);
+        t = tok, c = chunk;
+        cm &= cm - 1;
+        last = cm == 0;
+        if (last) { /* the next chunk, or the next token */
+            cm = lm;
+            if (++chunk == nch)
+                take_next();
+        }
+        return true;
+    }
+};
+
+/* The reduce modes' consumer: piece `info` (token << 8 | chunk << 1 | the chunk's last) of
+ * VL vectors a lane, at `piece` in shared memory, added into f (zeroed at a chunk's first
+ * piece); at the chunk's last piece its sum goes to the token's output row. */
+template <int VL>
+__device__ __forceinline__ void add_piece(const args &a, int r, int info, const uint4 *piece,
+                                          float (&f)[VL][8], bool &fresh)
+{
+    const int lane = threadIdx.x & 31, v0 = ((info >> 1) & 127) * VL * 32;
+    if (fresh) {
+#pragma unroll
+        for (int u = 0; u < VL; u++)
+#pragma unroll
+            for (int q = 0; q < 8; q++)
+                f[u][q] = -0.0f;
+        fresh = false;
+    }
+#pragma unroll
+    for (int u = 0; u < VL; u++)
+        if (v0 + u * 32 + lane < a.nvec)
+            acc8(f[u], piece[u * 32 + lane]);
+    if (info & 1) { /* the chunk's sum is complete */
+        uint4 *o = a.out + ((size_t)r * a.T + (info >> 8)) * a.nvec + v0;
+#pragma unroll
+        for (int u = 0; u < VL; u++)
+            if (v0 + u * 32 + lane < a.nvec)
+                o[u * 32 + lane] = pack8(f[u]);
+        fresh = true;
+    }
+}
+
 /* rtma: see the header. Items n = (token, chunk, destination) in that order (destinations
  * ascending); lane 0 loads item n + NS into stage n % NS once every lane added item n. The
  * warp's next token and its positions are fetched one token ahead. */
@@ -472,54 +528,30 @@ __global__ void __launch_bounds__(NW * 32, 1) k_rtma(args a)
     __shared__ char *s_dst[R];
     __shared__ int s_info[NW][NS]; /* token << 8 | chunk << 1 | last piece of the chunk */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int r = blockIdx.x / a.per_src, j = blockIdx.x % a.per_src;
-    const int chunk = (a.T + a.per_src - 1) / a.per_src;
-    const int t0 = min(a.T, j * chunk), t1 = min(a.T, t0 + chunk);
+    const share sh = block_share(a, &grab, s_dst);
+    const int r = sh.r, t0 = sh.t0, t1 = sh.t1;
     const unsigned rb = (unsigned)a.nvec * 16u, nch = (rb + CH - 1) / CH;
     const unsigned sm0 = (unsigned)__cvta_generic_to_shared(tma_smem);
     const unsigned bar0 = sm0 + warp * NS * 8;
     const unsigned st0 = sm0 + NW * NS * 8 + warp * NS * CH;
     const uint4 *stage = (const uint4 *)(tma_smem + NW * NS * 8 + (size_t)warp * NS * CH);
-    if (threadIdx.x == 0)
-        grab = 0;
-#pragma unroll
-    for (int d = 0; d < R; d++)
-        if (threadIdx.x == d)
-            s_dst[d] = a.dst[d];
     if (lane < NS) {
         s_info[warp][lane] = -1;
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + lane * 8) : "memory");
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     __syncthreads();
-    // the load side's cursor: token ltok (positions lp, lane d its destination d's), chunk
-    // lc, destinations left lm; the next token ntok and its positions np, fetched ahead
-    int ltok = t0 + warp, lc = 0;
-    int lp = ltok < t1 && lane < R ? a.pos[((size_t)r * a.T + ltok) * R + lane] : -1;
-    unsigned lm = __ballot_sync(~0u, lp >= 0);
-    auto fetch_next = [&](int &nt, int &npos) {
-        int k = 0;
-        if (lane == 0)
-            k = atomicAdd(&grab, 1);
-        nt = t0 + NW + __shfl_sync(~0u, k, 0);
-        npos = nt < t1 && lane < R ? a.pos[((size_t)r * a.T + nt) * R + lane] : -1;
-    };
-    int ntok, np;
-    fetch_next(ntok, np);
-    unsigned cm = lm; /* destinations of the current chunk left to load */
+    pieces pc;
+    pc.start(a, &grab, r, t0 + warp, t1, NW, (int)nch);
     auto load = [&](unsigned n) {
-        while (ltok < t1 && cm == 0) { /* a token with no destination: nothing to sum */
-            ltok = ntok, lp = np, lm = __ballot_sync(~0u, lp >= 0), lc = 0, cm = lm;
-            fetch_next(ntok, np);
-        }
-        if (ltok >= t1)
+        int tok, c, d, row;
+        bool last;
+        if (!pc.next(tok, c, d, row, last))
             return;
-        const int s = (int)(n % NS), d = __ffs(cm) - 1;
-        const unsigned off = (unsigned)lc * CH, bytes = min((unsigned)CH, rb - off);
-        const int row = __shfl_sync(~0u, lp, d);
-        cm &= cm - 1;
+        const int s = (int)(n % NS);
+        const unsigned off = (unsigned)c * CH, bytes = min((unsigned)CH, rb - off);
         if (lane == 0) {
-            s_info[warp][s] = ltok << 8 | lc << 1 | (cm == 0);
+            s_info[warp][s] = tok << 8 | c << 1 | last;
             asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
                              bar0 + s * 8),
                          "r"(bytes)
@@ -528,13 +560,6 @@ __global__ void __launch_bounds__(NW * 32, 1) k_rtma(args a)
                          "[%0], [%1], %2, [%3];" ::"r"(st0 + s * CH),
                          "l"(s_dst[d] + (size_t)row * rb + off), "r"(bytes), "r"(bar0 + s * 8)
                          : "memory");
-        }
-        if (cm == 0) { /* the chunk's last piece: the next chunk, or the next token */
-            cm = lm;
-            if (++lc == (int)nch) {
-                ltok = ntok, lp = np, lm = __ballot_sync(~0u, lp >= 0), lc = 0, cm = lm;
-                fetch_next(ntok, np);
-            }
         }
     };
     for (unsigned n = 0; n < NS; n++)
@@ -547,31 +572,11 @@ __global__ void __launch_bounds__(NW * 32, 1) k_rtma(args a)
         const int info = s_info[warp][s];
         if (info < 0)
             break;
-        if (fresh) {
-#pragma unroll
-            for (int u = 0; u < VL; u++)
-#pragma unroll
-                for (int q = 0; q < 8; q++)
-                    f[u][q] = -0.0f;
-            fresh = false;
-        }
-        const unsigned c = (info >> 1) & 127u, off = c * CH, bytes = min((unsigned)CH, rb - off);
         mbar_wait(bar0 + s * 8, (n / NS) & 1u);
-#pragma unroll
-        for (int u = 0; u < VL; u++)
-            if ((u * 32 + lane) * 16u < bytes)
-                acc8(f[u], stage[s * (CH / 16) + u * 32 + lane]);
+        add_piece<VL>(a, r, info, stage + s * (CH / 16), f, fresh);
         __syncwarp();
         if (lane == 0)
             s_info[warp][s] = -1;
-        if (info & 1) { /* the chunk's sum is complete */
-            uint4 *o = a.out + ((size_t)r * a.T + (info >> 8)) * a.nvec + off / 16;
-#pragma unroll
-            for (int u = 0; u < VL; u++)
-                if ((u * 32 + lane) * 16u < bytes)
-                    o[u * 32 + lane] = pack8(f[u]);
-            fresh = true;
-        }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); /* reads before the reload */
         __syncwarp();
         load(n + NS);
@@ -588,44 +593,23 @@ __global__ void __launch_bounds__(NW * 32, 1) k_rasync(args a)
     __shared__ char *s_dst[R];
     __shared__ int s_info[NW][NS]; /* token << 8 | chunk << 1 | last piece of the chunk */
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int r = blockIdx.x / a.per_src, j = blockIdx.x % a.per_src;
-    const int chunk = (a.T + a.per_src - 1) / a.per_src;
-    const int t0 = min(a.T, j * chunk), t1 = min(a.T, t0 + chunk);
+    const share sh = block_share(a, &grab, s_dst);
+    const int r = sh.r, t0 = sh.t0, t1 = sh.t1;
     const int nvec = a.nvec, nch = (nvec + PV - 1) / PV;
     uint4 *stage = as_smem + (size_t)warp * NS * PV;
     const unsigned st0 = (unsigned)__cvta_generic_to_shared(stage);
-    if (threadIdx.x == 0)
-        grab = 0;
-#pragma unroll
-    for (int d = 0; d < R; d++)
-        if (threadIdx.x == d)
-            s_dst[d] = a.dst[d];
     if (lane < NS)
         s_info[warp][lane] = -1;
     __syncthreads();
-    int ltok = t0 + warp, lc = 0;
-    int lp = ltok < t1 && lane < R ? a.pos[((size_t)r * a.T + ltok) * R + lane] : -1;
-    unsigned lm = __ballot_sync(~0u, lp >= 0);
-    auto fetch_next = [&](int &nt, int &npos) {
-        int k = 0;
-        if (lane == 0)
-            k = atomicAdd(&grab, 1);
-        nt = t0 + NW + __shfl_sync(~0u, k, 0);
-        npos = nt < t1 && lane < R ? a.pos[((size_t)r * a.T + nt) * R + lane] : -1;
-    };
-    int ntok, np;
-    fetch_next(ntok, np);
-    unsigned cm = lm;
+    pieces pc;
+    pc.start(a, &grab, r, t0 + warp, t1, NW, nch);
     auto issue = [&](unsigned n) { /* piece n into stage n % NS; a commit group either way */
-        while (ltok < t1 && cm == 0) {
-            ltok = ntok, lp = np, lm = __ballot_sync(~0u, lp >= 0), lc = 0, cm = lm;
-            fetch_next(ntok, np);
-        }
+        int tok, c, d, row;
+        bool last;
         const int s = (int)(n % NS);
-        if (ltok < t1) {
-            const int d = __ffs(cm) - 1, v0 = lc * PV;
-            const uint4 *src = (const uint4 *)s_dst[d] + (size_t)__shfl_sync(~0u, lp, d) * nvec;
-            cm &= cm - 1;
+        if (pc.next(tok, c, d, row, last)) {
+            const int v0 = c * PV;
+            const uint4 *src = (const uint4 *)s_dst[d] + (size_t)row * nvec;
 #pragma unroll
             for (int u = 0; u < VL; u++) {
                 const int k = v0 + u * 32 + lane;
@@ -636,14 +620,7 @@ __global__ void __launch_bounds__(NW * 32, 1) k_rasync(args a)
                                  : "memory");
             }
             if (lane == 0)
-                s_info[warp][s] = ltok << 8 | lc << 1 | (cm == 0);
-            if (cm == 0) {
-                cm = lm;
-                if (++lc == nch) {
-                    ltok = ntok, lp = np, lm = __ballot_sync(~0u, lp >= 0), lc = 0, cm = lm;
-                    fetch_next(ntok, np);
-                }
-            }
+                s_info[warp][s] = tok << 8 | c << 1 | last;
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
@@ -659,30 +636,10 @@ __global__ void __launch_bounds__(NW * 32, 1) k_rasync(args a)
             break;
         issue(n + NS - 1); /* into stage (n - 1) % NS, added up in the previous turn */
         asm volatile("cp.async.wait_group %0;" ::"n"(NS - 1) : "memory");
-        if (fresh) {
-#pragma unroll
-            for (int u = 0; u < VL; u++)
-#pragma unroll
-                for (int q = 0; q < 8; q++)
-                    f[u][q] = -0.0f;
-            fresh = false;
-        }
-        const int v0 = ((info >> 1) & 127) * PV;
-#pragma unroll
-        for (int u = 0; u < VL; u++)
-            if (v0 + u * 32 + lane < nvec)
-                acc8(f[u], stage[s * PV + u * 32 + lane]);
+        add_piece<VL>(a, r, info, stage + s * PV, f, fresh);
         __syncwarp();
         if (lane == 0)
             s_info[warp][s] = -1;
-        if (info & 1) {
-            uint4 *o = a.out + ((size_t)r * a.T + (info >> 8)) * nvec + v0;
-#pragma unroll
-            for (int u = 0; u < VL; u++)
-                if (v0 + u * 32 + lane < nvec)
-                    o[u * 32 + lane] = pack8(f[u]);
-            fresh = true;
-        }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
 }

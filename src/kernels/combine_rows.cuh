@@ -5,26 +5,7 @@
 #ifndef HEP_KERNELS_COMBINE_ROWS_CUH
 #define HEP_KERNELS_COMBINE_ROWS_CUH
 
-__device__ __forceinline__ void acc8(float *f, uint4 v)
-{
-    const __nv_bfloat162 *h = (const __nv_bfloat162 *)&v;
-#pragma unroll
-    for (int q = 0; q < 4; q++) {
-        float2 x = __bfloat1622float2(h[q]);
-        f[2 * q] += x.x;
-        f[2 * q + 1] += x.y;
-    }
-}
-
-__device__ __forceinline__ uint4 pack8(const float *f)
-{
-    uint4 v;
-    __nv_bfloat162 *h = (__nv_bfloat162 *)&v;
-#pragma unroll
-    for (int q = 0; q < 4; q++)
-        h[q] = __floats2bfloat162_rn(f[2 * q], f[2 * q + 1]);
-    return v;
-}
+#include "kernels/vec.cuh"
 
 // A row of nvec 16-byte vectors cut into equal passes of at most 32 x CU vectors a warp
 // (a 14 KB row is two passes of 448, not 512 + 384): the vectors of one pass.

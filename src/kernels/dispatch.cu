@@ -15,6 +15,7 @@
 #endif
 
 #include "kernels/ep_kernels.h"
+#include "kernels/vec.cuh"
 
 /* This file compiles twice: as itself (plain stores) and inside dispatch_bulk.cu with
  * HEP_BULK_STORES, whose kernel and entry points carry the suffix _bulk. All but the C
@@ -257,18 +258,6 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
 }
 
 #ifdef HEP_BULK_STORES
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity)
-{
-    unsigned done = 0;
-    while (!done)
-        asm volatile("{\n\t.reg .pred p;\n\t"
-                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                     "selp.u32 %0, 1, 0, p;\n\t}"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
-}
-
 // One warp pushes tokens [w0, w1) of list L with no registers on the rows' path: the rows
 // stream through the warp's ring of BULK_NS shared-memory stages in chunks of BULK_CH bytes.
 // Lane 0 loads chunk n (item n = token w0 + n / nch, chunk n % nch) with a bulk copy
