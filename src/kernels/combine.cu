@@ -203,8 +203,8 @@ __device__ __forceinline__ bool own_tokens(const hep_kargs &a, const char *const
 #pragma unroll
             for (int g = 0; g < GRAB; g++) {
                 const int i = next + g;
-                if (i < a.t &&
-                    !own_token<EM, NODES, WHOLE, OCD>(a, s_x, s_pin, c, i, rb, mybase, parts, pos[g]))
+                if (i < a.t && !own_token<EM, NODES, WHOLE, OCD>(a, s_x, s_pin, c, i, rb, mybase,
+                                                                 parts, pos[g]))
                     return false;
             }
             next = nxt;

@@ -57,8 +57,8 @@ __device__ __forceinline__ void bulk_wait_all()
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     asm volatile("fence.proxy.async.global;" ::: "memory");
 }
-/* The pipelined push (push_list_bulk): each warp's ring of BULK_NS stages of BULK_CH bytes
- * (a mbarrier each, in static shared memory); BULK_LAG chunks' stores may still read their
+/* The pipelined push (push_range_bulk): each warp's ring of BULK_NS stages of BULK_CH bytes
+ * (an mbarrier each, in static shared memory); BULK_LAG chunks' stores may still read their
  * stages while BULK_NS - BULK_LAG chunks load. The stage region holds it or push_row's stage,
  * whichever is larger. */
 #ifndef BULK_PIPE
