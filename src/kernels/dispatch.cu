@@ -1000,13 +1000,11 @@ extern "C" size_t HEP_DISPATCH_NAME(hep_dispatch_smem)(int R, int El)
 extern "C" int HEP_DISPATCH_NAME(hep_launch_dispatch)(const hep_kargs *a, int blocks, void *stream)
 {
     size_t smem = HEP_DISPATCH_NAME(hep_dispatch_smem)(a->R, a->El);
-    cudaError_t e = cudaSuccess;
     void (*k)(hep_kargs) = a->emajor ? (a->N > 1 ? K_DISPATCH<true, true> : K_DISPATCH<true, false>)
                                      : (a->N > 1 ? K_DISPATCH<false, true> : K_DISPATCH<false, false>);
-    if (smem > 48 * 1024)
-        e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess)
-        return (int)e;
+    int e = hep_allow_smem((const void *)k, smem);
+    if (e != 0)
+        return e;
     k<<<blocks, DISPATCH_THREADS, smem, (cudaStream_t)stream>>>(*a);
     return (int)cudaGetLastError();
 }

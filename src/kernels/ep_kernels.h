@@ -361,6 +361,10 @@ int hep_launch_node_pack(const hep_kargs *a, int blocks, void *stream);
  * them: a kernel's first launch can be held back behind the kernels already running
  * (kernels/probe.cu). Group creation, before any call. */
 int hep_kernels_warm(const hep_kargs *a, int bulk);
+/* Let kernel instance k (a __global__ function) launch with `smem` bytes of dynamic shared
+ * memory: above 48 KB its limit goes to the device's opt-in maximum (kernels/probe.cu says
+ * why not to `smem`). A cudaError_t, 0 on success. */
+int hep_allow_smem(const void *k, size_t smem);
 /* Bytes of dynamic shared memory the dispatch kernel needs for R ranks, El experts. */
 size_t hep_dispatch_smem(int R, int El);
 /* The same for the kernel with bulk stores (its row staging included). */

@@ -246,12 +246,9 @@ extern "C" size_t hep_node_pack_smem(int N, int R, int El)
 extern "C" int hep_launch_node_pack(const hep_kargs *a, int blocks, void *stream)
 {
     size_t smem = hep_node_pack_smem(a->N, a->R, a->El);
-    if (smem > 48 * 1024) {
-        cudaError_t e = cudaFuncSetAttribute(
-            k_node_pack, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-        if (e != cudaSuccess)
-            return (int)e;
-    }
+    int e = hep_allow_smem((const void *)k_node_pack, smem);
+    if (e != 0)
+        return e;
     k_node_pack<<<blocks, PACK_THREADS, smem, (cudaStream_t)stream>>>(*a);
     return (int)cudaGetLastError();
 }

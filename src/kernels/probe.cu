@@ -1,5 +1,6 @@
 // kernels/probe.cu: a one-block kernel that proves this build's machine code runs on
-// the device (used by `hybridep doctor`), and the up-front load of every kernel.
+// the device (used by `hybridep doctor`), the up-front load of every kernel, and the
+// shared-memory opt-in of every launch of more than 48 KB.
 #include <cuda_runtime.h>
 
 #include "kernels/ep_kernels.h"
@@ -51,6 +52,29 @@ extern "C" int hep_kernels_probe(int device, char *why, size_t why_len)
     }
     snprintf(why, why_len, "ok");
     return 0;
+}
+
+// A kernel instance's dynamic shared-memory limit is one value per process and device,
+// shared by every group and thread that launches it. Set to each launch's own size, two
+// groups of different sizes in one process lower it under each other between set and
+// launch ("too many resources requested for launch"). It is therefore raised to the
+// device's opt-in maximum less a bound on the kernels' static shared memory
+// (tests/kernel_spills.sh holds them to it): the same value whoever sets it.
+#define HEP_STATIC_SMEM_BOUND 16384
+extern "C" int hep_allow_smem(const void *k, size_t smem)
+{
+    int dev = 0, optin = 0;
+    if (smem <= 48 * 1024)
+        return 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e != cudaSuccess)
+        return (int)e;
+    if (smem + HEP_STATIC_SMEM_BOUND > (size_t)optin)
+        return (int)cudaErrorInvalidValue;
+    return (int)cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     optin - HEP_STATIC_SMEM_BOUND);
 }
 
 extern "C" int hep_warm_dispatch(const hep_kargs *a, void *stream);
