@@ -289,6 +289,8 @@ int main(int argc, char **argv)
             printf("skipped: this build of hybridep has no GPU kernels\n");
             return 77;
         }
+        /* a hardware queue per virtual rank and loopback NIC (tests/test_gpu_train.c) */
+        setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
         if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
             printf("skipped: no CUDA GPU on this machine\n");
             return 77;

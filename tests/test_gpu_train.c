@@ -1669,6 +1669,10 @@ int main(void)
         tests[N_ONE_NODE + i].test_func = nodes_test;
         tests[N_ONE_NODE + i].initial_state = (void *)&nodes_specs[i];
     }
+    /* one hardware queue per virtual rank and loopback NIC (2 x 4 keeps 16 streams on the
+     * GPU): with CUDA's default 8 a NIC's copy queues behind a rank's kernel that waits for
+     * it, and the case times out (run directly, 2026-12-06); as test_gpu_ep does */
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
     if (hep_gpu_probe(0)) {
         printf("skipped: no usable GPU: %s\n", hep_last_error());
         return 77;
