@@ -3,7 +3,8 @@
 # by bench/gpu_build.sh in .gpu/ (carried with the call). Full logs go to $OUT.
 # Usage: bench/gpu_check.sh [all|test|san|bench|sweep|nodes|variants|python|mpi|stress|firstcall]...  (several modes run in order;
 #   BENCH_ARGS adds options to every bench; SWEEP_SMS the SM counts of `sweep`)
-#   test: the GPU tests; san: compute-sanitizer memcheck and racecheck on small cases (SAN_BINS
+#   test: the GPU tests (test_gpu_train's one-node cases again with HEP_DISPATCH_STORES=bulk,
+#     TRAIN_BULK_FILTER); san: compute-sanitizer memcheck and racecheck on small cases (SAN_BINS
 #     the binaries, default test_gpu_ep test_gpu_train; SAN_LIMIT seconds a run, 150;
 #     SAN_TIMEOUT_MS the kernels' HEP_TIMEOUT_MS under the tools, 20000)
 #   sweep: one rank (E_l = 8, K = 8) and eight ranks (bench defaults) across SM counts
@@ -70,6 +71,10 @@ if want test; then
     step "GPU tests of the training API (handles, caller outputs, probabilities, capacity)"
     HEP_GPU_TEST_FILTER=${TRAIN_TEST_FILTER:-} timeout 300 $B/test_gpu_train
     echo "test_gpu_train exit: $?"
+    step "the training API's one-node cases with the bulk-store dispatch kernel forced (handles, capacity, drops)"
+    HEP_DISPATCH_STORES=bulk HEP_GPU_TEST_FILTER=${TRAIN_BULK_FILTER:-'handles*,capacity*,no_sync*,graph_replays*'} \
+      timeout 300 $B/test_gpu_train
+    echo "test_gpu_train (bulk) exit: $?"
   } > "$OUT/test.txt" 2>&1
   grep -vE '^\[ *(RUN|OK) \]|unavailable; using DMA-BUF' "$OUT/test.txt" | tail -60
 fi

@@ -353,7 +353,7 @@ static void gpu_case(int N, int R, hep_dtype dt, int skew, int index64, int zero
     static ep_case c;
     char label[192];
     memset(&c, 0, sizeof(c));
-    c.cfg = gcfg(H, T, 4, 8, dt, R);
+    c.cfg = gcfg(H, T, N * R == 1 ? 8 : 4, 8, dt, R); /* one rank: as many experts as K */
     c.cfg.chunk_tokens = chunk;
     if (g_opts.ranks_per_gpu) { /* ranks spread over GPUs: SMs left for the NICs' copies */
         const int on_gpu = N * R < g_opts.ranks_per_gpu ? N * R : g_opts.ranks_per_gpu;
@@ -602,6 +602,44 @@ static void missing_rank_case(int R, int missing, unsigned seed, int chunk)
         assert_non_null(strstr(c.out[r].err, want));
     }
     ep_case_free(&c);
+}
+
+/* The bulk-store dispatch kernel (the one taken where no node-mate shares the GPU) at one
+ * rank alone and forced (HEP_DISPATCH_STORES=bulk) on node-mates sharing this GPU: its rows
+ * against the host backend, and a missing rank named. */
+static int bulk_stores_on(void **state)
+{
+    (void)state;
+    setenv("HEP_DISPATCH_STORES", "bulk", 1);
+    hep_env_reload();
+    return 0;
+}
+
+static int bulk_stores_off(void **state)
+{
+    (void)state;
+    unsetenv("HEP_DISPATCH_STORES");
+    hep_env_reload();
+    return 0;
+}
+
+static void gpu_bulk_dispatch_kernel_matches_host_backend_and_names_a_missing_rank(void **state)
+{
+    unsigned seed = fresh_seed();
+    (void)state;
+    if (!have_gpu())
+        skip();
+    print_message("fresh seed %u\n", seed);
+    if (small_only()) {
+        one_case(1, HEP_DTYPE_BF16, 0, 0, 0, -1, seed, 256, 32);
+        one_case(2, HEP_DTYPE_FP8_E4M3, 1, 1, 1, -1, seed + 1, 256, 32);
+        return;
+    }
+    one_case(1, HEP_DTYPE_BF16, 0, 0, 0, -1, seed, 7168, 4096);
+    one_case(2, HEP_DTYPE_BF16, 0, 0, 0, -1, seed + 1, 7168, 512);
+    one_case(4, HEP_DTYPE_FP8_E4M3, 1, 1, 1, 0, seed + 2, 2048, 64);  /* t = 0 */
+    one_case(8, HEP_DTYPE_BF16, 1, 0, 0, 1, seed + 3, 4096, 256);     /* t = T */
+    missing_rank_case(4, 2, seed + 4, HEP_CHUNK_DEFAULT);
 }
 
 static void gpu_dispatch_times_out_naming_the_rank_that_never_called(void **state)
@@ -1214,6 +1252,9 @@ int main(void)
         cmocka_unit_test(gpu_many_nodes_beyond_one_warp_match_host_backend),
         cmocka_unit_test(gpu_graph_replay_gives_the_eager_results),
         cmocka_unit_test(gpu_dispatch_times_out_naming_the_rank_that_never_called),
+        cmocka_unit_test_setup_teardown(
+            gpu_bulk_dispatch_kernel_matches_host_backend_and_names_a_missing_rank,
+            bulk_stores_on, bulk_stores_off),
         cmocka_unit_test(gpu_virtual_nodes_time_out_naming_the_missing_rank_on_every_rank),
         cmocka_unit_test(gpu_virtual_nodes_rings_time_out_naming_the_missing_rank_on_every_rank),
         cmocka_unit_test(gpu_virtual_nodes_rings_time_out_naming_the_peer_that_holds_its_credits),
