@@ -9,7 +9,8 @@
 # AB_SET=nodes runs the 2 x 4 and 4 x 2 loopback benches instead (BF16, --sms 8 and 12 (16 leaves
 # the loopback copies 4 free SMs: 2-3x slower, noise), and
 # AB_NODE_ARGS, default "--chunk 0", more sets separated by ';' (e.g. "--chunk 0;--chunk 2048"),
-# each where the build has its option: one extra row set each, at 12 SMs). Trace builds (HEP_LAYOUT_TRACE) run once each, their cycle lines printed.
+# each where the build has its option: one extra row set each, at 12 SMs). AB_SET=one: the
+# one-rank sweep only. Trace builds (HEP_LAYOUT_TRACE) run once each, their cycle lines printed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hep-gpu}
@@ -20,11 +21,17 @@ names=${AB_VARIANTS:-$(ls .gpu/var 2>/dev/null | grep -v trace | tr '\n' ' ')}
 run() { # build-dir label args...
   local dir=$1 label=$2 setting=; shift 2
   [[ "$label" == env:* ]] && setting=${label#env:}
-  env $setting LD_LIBRARY_PATH=$dir:$dir/lib:$LD_LIBRARY_PATH timeout 120 $dir/hybridep bench "$@" > "$OUT/ab_last.txt" 2>&1
+  local json=; [[ "$*" == *--sweep-sms* ]] && json="--json-file $OUT/ab_last.json"
+  rm -f "$OUT/ab_last.json"
+  env $setting LD_LIBRARY_PATH=$dir:$dir/lib:$LD_LIBRARY_PATH timeout 120 $dir/hybridep bench "$@" $json > "$OUT/ab_last.txt" 2>&1
   local rc=$?
   echo "== $label $*" >> "$OUT/ab.txt"; cat "$OUT/ab_last.txt" >> "$OUT/ab.txt"
   awk -v l="$label" '/^ *[0-9]+ +[0-9]+ +[0-9.]+ /{printf "%-8s %s\n", l, $0}
                      /^(dispatch|combine)/{printf "%-8s %s\n", l, $0}' "$OUT/ab_last.txt"
+  # the sweep's layout step in us (the table rounds it to 1 us)
+  [ -s "$OUT/ab_last.json" ] && python3 -c 'import json,sys
+rows = json.load(open(sys.argv[1]))["sweep"]
+print("%-8s layout us: " % sys.argv[2] + " ".join("%d SMs %.2f" % (r["sms_per_rank"], r["layout_ms"] * 1e3) for r in rows if "layout_ms" in r))' "$OUT/ab_last.json" "$label"
   [ $rc = 0 ] && grep -q verified "$OUT/ab_last.txt" ||
     { echo "$label: exit $rc, not verified:"; tail -5 "$OUT/ab_last.txt"; }
 }
@@ -47,6 +54,7 @@ for r in $(seq 1 "${AB_ROUNDS:-2}"); do
       continue
     fi
     run $d "$n" --ranks-per-node 1 --experts-per-rank 8 --topk 8 --sweep-sms "${AB_SWEEP1:-16,132}"
+    [ "${AB_SET:-kernels}" = one ] && continue
     run $d "$n" --sweep-sms 8,16
     run $d "$n" --dtype fp8 --sweep-sms 16
   done
