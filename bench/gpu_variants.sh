@@ -11,5 +11,6 @@ while read -r name defs; do
   cmake --build build/var-$name -j"$(nproc)" --target hybridep_cli hybridep >/dev/null
   mkdir -p .gpu/var/$name && cp build/var-$name/tools/hybridep .gpu/var/$name/
   cp -L build/var-$name/src/libhybridep.so.0.1 .gpu/var/$name/
+  strip --strip-debug .gpu/var/$name/hybridep .gpu/var/$name/libhybridep.so.0.1
   echo "$name: $defs"
 done
