@@ -887,12 +887,13 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         LTRACE(1);
         arrive_publish(a, e);
         LTRACE(2);
-        if (!wait_counts(a, e))
+        if (!wait_counts(a, e, true))
             return;
         LTRACE(6);
         /* the rank-wide token counter (push_list) where every block's s.pre fits the
          * scan's scratch (s.pkey, gkey and gcnt: the expert-major layout's only) */
-        int *pre_all = DISPATCH_RGRAB && S * R <= 3 * (int)blockDim.x ? s.pkey : NULL;
+        int *pre_all =
+            DISPATCH_RGRAB && S * R <= PRE_ALL_PER_THREAD * (int)blockDim.x ? s.pkey : NULL;
         own_layout(a, e, s, pre_all);
         const bool over = over_capacity(a, s.tot) >= 0 && !a.drop;
         const unsigned long long t_layout = now_ns();

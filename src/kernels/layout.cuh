@@ -214,10 +214,22 @@ static __device__ bool publish_counts(const hep_kargs &a, unsigned long long e,
 }
 
 // Every node-mate published its counts of call e (threads tid < R wait one each).
-__device__ __forceinline__ bool wait_counts(const hep_kargs &a, unsigned long long e)
+// OWN_GRID_WAIT (tuning, off: bench/NOTES.md, session 20) with `own_grid` (one node,
+// rank-major: arrive_publish): this rank's own counts are complete once all its blocks
+// arrived at the grid counter, each after its counts, so thread a.local waits for that
+// count instead of for the flag the last block raises after it, a fence and a release
+// later (the one-rank layout step 0.5-0.7 us shorter, the dispatch within noise).
+#ifndef OWN_GRID_WAIT
+#define OWN_GRID_WAIT 0
+#endif
+__device__ __forceinline__ bool wait_counts(const hep_kargs &a, unsigned long long e,
+                                            bool own_grid = false)
 {
     bool ok = true;
-    if ((int)threadIdx.x < a.R)
+    if (OWN_GRID_WAIT && own_grid && (int)threadIdx.x == a.local)
+        ok = wait_geq_s(a, a.grid_arrive, e * gridDim.x, HEP_STAGE_PREPROCESS, a.rank0 + a.local,
+                        2, NULL, false);
+    else if ((int)threadIdx.x < a.R)
         ok = wait_mate(a, a.flags[threadIdx.x] + HEP_FLAG_COUNTS_READY, e, HEP_STAGE_PREPROCESS,
                        (int)threadIdx.x);
     return block_all(ok);
@@ -293,21 +305,38 @@ __device__ __forceinline__ void arrive_publish(const hep_kargs &a, unsigned long
 // this rank's rows at destination d from the blocks before this one, s.base[d] the own
 // list's row base there, s.tot[d] destination d's rows of all sources (and s.recv zeroed).
 // One warp a destination, both sums' loads in flight together. With `pre_all` ([S][R]
-// shared memory) also every block's s.pre: pre_all[q * R + d] = the rows at destination d
-// of the blocks before block q (a rank-wide token counter pushes any block's tokens).
+// shared memory, S x R <= PRE_ALL_PER_THREAD x the block's threads) also every
+// block's s.pre: pre_all[q * R + d] = the rows at destination d of the blocks before block
+// q (a rank-wide token counter pushes any block's tokens). OWN_LAYOUT_ROUNDS (tuning, 2:
+// bench/NOTES.md, session 20) = 1: with pre_all, the blocks' totals are loaded with the
+// sources' counts, one round of loads instead of two, and s.pre comes from their scan.
+#ifndef OWN_LAYOUT_ROUNDS
+#define OWN_LAYOUT_ROUNDS 2
+#endif
+#define PRE_ALL_PER_THREAD 3
 __device__ void own_layout(const hep_kargs &a, unsigned long long e, const layout_smem &s,
                            int *pre_all = NULL)
 {
     const int R = a.R, El = a.El, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int b = blockIdx.x, S = gridDim.x;
     const size_t par = (size_t)(e & 1) * R * (El + 1);
-    if (pre_all)
+    const bool one_round = OWN_LAYOUT_ROUNDS == 1 && pre_all;
+    int v[PRE_ALL_PER_THREAD] = {}; /* one_round: this thread's blocks' totals, stored after */
+    if (one_round)
+#pragma unroll
+        for (int u = 0; u < PRE_ALL_PER_THREAD; u++) {
+            const int k = threadIdx.x + u * (int)blockDim.x;
+            if (k < S * R)
+                v[u] = ld_l2(a.block_counts + k);
+        }
+    else if (pre_all)
         for (int k = threadIdx.x; k < S * R; k += blockDim.x)
             pre_all[k] = ld_l2(a.block_counts + k);
     for (int d = warp; d < R; d += (int)(blockDim.x >> 5)) {
         int p = 0;
-        for (int q = lane; q < b; q += 32)
-            p += ld_l2(a.block_counts + (size_t)q * R + d);
+        if (!one_round) /* (one_round: the scan below gives s.pre) */
+            for (int q = lane; q < b; q += 32)
+                p += ld_l2(a.block_counts + (size_t)q * R + d);
         const int c = lane < R ? ld_l2(a.counts[lane] + par + (size_t)d * (El + 1)) : 0;
         const int x = warp_scan(c); /* over the sources (R <= 32 local ranks) */
         p = warp_sum(p);
@@ -315,11 +344,18 @@ __device__ void own_layout(const hep_kargs &a, unsigned long long e, const layou
             s.base[d] = x - c;
         if (lane == 31)
             s.tot[d] = x;
-        if (lane == 0)
+        if (lane == 0 && !one_round)
             s.pre[d] = p;
     }
     for (int j = threadIdx.x; j <= El; j += blockDim.x)
         s.recv[j] = 0;
+    if (one_round)
+#pragma unroll
+        for (int u = 0; u < PRE_ALL_PER_THREAD; u++) {
+            const int k = threadIdx.x + u * (int)blockDim.x;
+            if (k < S * R)
+                pre_all[k] = v[u];
+        }
     __syncthreads();
     if (!pre_all)
         return;
@@ -331,6 +367,8 @@ __device__ void own_layout(const hep_kargs &a, unsigned long long e, const layou
             const int x = warp_scan(c);
             if (q < S)
                 pre_all[q * R + d] = carry + x - c;
+            if (one_round && q == b)
+                s.pre[d] = carry + x - c;
             carry += __shfl_sync(FULL, x, 31);
         }
     }
