@@ -407,13 +407,21 @@ static unsigned fresh_seed(void)
     return (unsigned)time(NULL) ^ (unsigned)getpid() * 2654435761u;
 }
 
-static void gpu_kernels_match_host_backend_across_ranks_dtypes_and_routing(void **state)
+/* A GPU case's start: skipped without a GPU, else its fresh seed (fresh_seed() ^ salt),
+ * printed so that a failure can be replayed. */
+static unsigned gpu_seed(unsigned salt)
 {
-    unsigned seed = fresh_seed();
-    (void)state;
+    const unsigned seed = fresh_seed() ^ salt;
     if (!have_gpu())
         skip();
     print_message("fresh seed %u\n", seed);
+    return seed;
+}
+
+static void gpu_kernels_match_host_backend_across_ranks_dtypes_and_routing(void **state)
+{
+    const unsigned seed = gpu_seed(0u);
+    (void)state;
     if (small_only()) {
         one_case(2, HEP_DTYPE_BF16, 0, 0, 0, -1, seed, 256, 32);
         one_case(2, HEP_DTYPE_FP8_E4M3, 1, 1, 1, -1, seed + 1, 256, 32);
@@ -430,11 +438,8 @@ static void gpu_kernels_match_host_backend_across_ranks_dtypes_and_routing(void 
 
 static void gpu_virtual_nodes_match_host_backend_over_loopback_nic_with_dmabuf(void **state)
 {
-    unsigned seed = fresh_seed() ^ 0x5bd1e995u;
+    const unsigned seed = gpu_seed(0x5bd1e995u);
     (void)state;
-    if (!have_gpu())
-        skip();
-    print_message("fresh seed %u\n", seed);
     setenv("HEP_GPU_MR_MODE", "dmabuf", 1); /* the real export feeds the loopback NIC */
     hep_env_reload();
     if (small_only()) {
@@ -456,11 +461,8 @@ static void gpu_virtual_nodes_match_host_backend_over_loopback_nic_with_dmabuf(v
  * and FP8, random t, t = T and t = 0, each case's calls twice (credits across calls). */
 static void gpu_virtual_nodes_rings_of_chunks_match_host_backend(void **state)
 {
-    unsigned seed = fresh_seed() ^ 0x2545f491u;
+    const unsigned seed = gpu_seed(0x2545f491u);
     (void)state;
-    if (!have_gpu())
-        skip();
-    print_message("fresh seed %u\n", seed);
     setenv("HEP_GPU_MR_MODE", "dmabuf", 1);
     hep_env_reload();
     if (small_only()) {
@@ -625,11 +627,8 @@ static int bulk_stores_off(void **state)
 
 static void gpu_bulk_dispatch_kernel_matches_host_backend_and_names_a_missing_rank(void **state)
 {
-    unsigned seed = fresh_seed();
+    const unsigned seed = gpu_seed(0u);
     (void)state;
-    if (!have_gpu())
-        skip();
-    print_message("fresh seed %u\n", seed);
     if (small_only()) {
         one_case(1, HEP_DTYPE_BF16, 0, 0, 0, -1, seed, 256, 32);
         one_case(2, HEP_DTYPE_FP8_E4M3, 1, 1, 1, -1, seed + 1, 256, 32);
