@@ -418,10 +418,17 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
 }
 
 // The end of every block: it arrives at every destination; block 0 waits for every
-// source's S arrivals here.
+// source's S arrivals here. SOLO_END (tuning, off: bench/NOTES.md, session 20): a rank
+// alone on one node, no dropped rows to count again, skips both, as no other rank writes
+// here and the kernel's end orders its own rows for whoever reads them next.
+#ifndef SOLO_END
+#define SOLO_END 0
+#endif
 __device__ __forceinline__ void arrive_all(const hep_kargs &a, unsigned long long e)
 {
     const int R = a.R, tid = threadIdx.x;
+    if (SOLO_END && R == 1 && a.N == 1 && !a.drop)
+        return;
     __syncthreads();
     if (tid == 0) {
         fence_peers(a);
