@@ -5,7 +5,8 @@
 # AB_VARIANTS: the variant names (default: every .gpu/var/* without "trace" in its name);
 # AB_SWEEP1: the one-rank SM counts (16,132). A name may also be a whole second build carried
 # as .gpu/<name> (bench/gpu_build.sh of another branch, its library in .gpu/<name>/lib), or
-# env:VAR=value, the main build run with that setting (e.g. env:HEP_DISPATCH_STORES=plain).
+# env:VAR=value, the main build run with that setting (e.g. env:HEP_DISPATCH_STORES=plain), or
+# NAME:VAR=value, build NAME run with it (e.g. rg:HEP_DISPATCH_STORES=bulk).
 # AB_SET=nodes runs the 2 x 4 and 4 x 2 loopback benches instead (BF16, --sms 8 and 12 (16 leaves
 # the loopback copies 4 free SMs: 2-3x slower, noise), and
 # AB_NODE_ARGS, default "--chunk 0", more sets separated by ';' (e.g. "--chunk 0;--chunk 2048"),
@@ -20,7 +21,7 @@ node_args=${AB_NODE_ARGS-"--chunk 0"}
 names=${AB_VARIANTS:-$(ls .gpu/var 2>/dev/null | grep -v trace | tr '\n' ' ')}
 run() { # build-dir label args...
   local dir=$1 label=$2 setting=; shift 2
-  [[ "$label" == env:* ]] && setting=${label#env:}
+  [[ "$label" == *:*=* ]] && setting=${label#*:}
   local json=; [[ "$*" == *--sweep-sms* ]] && json="--json-file $OUT/ab_last.json"
   rm -f "$OUT/ab_last.json"
   env $setting LD_LIBRARY_PATH=$dir:$dir/lib:$LD_LIBRARY_PATH timeout 120 $dir/hybridep bench "$@" $json > "$OUT/ab_last.txt" 2>&1
@@ -38,7 +39,8 @@ print("%-8s layout us: " % sys.argv[2] + " ".join("%d SMs %.2f" % (r["sms_per_ra
 for r in $(seq 1 "${AB_ROUNDS:-2}"); do
   echo "--- round $r"
   for n in base $names; do
-    d=.gpu; [ "$n" = base ] || [[ "$n" == env:* ]] || d=.gpu/var/$n; [ -d "$d" ] || d=.gpu/$n
+    b=${n%%:*}; [ "$b" = env ] && b=base
+    d=.gpu; [ "$b" = base ] || d=.gpu/var/$b; [ -d "$d" ] || d=.gpu/$b
     if [ "${AB_SET:-kernels}" = nodes ]; then
       for shape in "2 4" "4 2"; do
         set -- $shape

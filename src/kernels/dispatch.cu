@@ -270,19 +270,29 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
 // Every chunk is waited for even where no destination takes it, so that each stage's
 // mbarrier phase is its use count. (The mbarrier wait is on this warp's own copy, not on
 // another rank: it ends unless the copy faults, which ends the kernel.)
+// CTR (BULK_RGRAB, tuning): the items come from the rank-wide token counter instead (token
+// w0 first, then W + k for each k the counter gives; none at or past w1): lane 0 asks for
+// the next token as it loads that token's first chunk and leaves it in `toks` (the warp's
+// BULK_NS words, one a stage: -1 past the last), where the warp reads it before the chunk;
+// the positions are made rank-wide with the token's block's pre_all row (`chunk` tokens a
+// block).
+template <bool CTR = false>
 __device__ void push_range_bulk(const hep_kargs &a, const lview &v, int L, int w0, int w1,
                                 int mybase, char *const *s_x, float *const *s_prob,
                                 float *const *s_scale, int *drop_cnt, const int *pre,
-                                unsigned long long *bars)
+                                unsigned long long *bars, int *toks = NULL,
+                                const int *pre_all = NULL, int chunk = 0)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const unsigned rb = (unsigned)((size_t)a.H * a.esize), nch = (rb + BULK_CH - 1) / BULK_CH;
-    const unsigned n_end = (unsigned)max(w1 - w0, 0) * nch;
+    unsigned n_end = CTR ? ~0u : (unsigned)max(w1 - w0, 0) * nch; /* CTR: lane 0 lowers it */
     const unsigned bar0 = (unsigned)__cvta_generic_to_shared(bars + warp * BULK_NS);
     const unsigned st0 = (unsigned)__cvta_generic_to_shared(hep_stage) +
                          (unsigned)(warp * BULK_NS * BULK_CH);
-    if (n_end == 0)
+    if (CTR ? w0 >= w1 : n_end == 0)
         return;
+    volatile int *tok = CTR ? toks + warp * BULK_NS : NULL;
+    int ltok = w0; /* CTR, lane 0: the token whose chunks it loads */
     if (lane < BULK_NS)
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + lane * 8) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -293,6 +303,18 @@ __device__ void push_range_bulk(const hep_kargs &a, const lview &v, int L, int w
         const unsigned s = n % BULK_NS, c = n % nch, off = c * BULK_CH;
         const unsigned bytes = min((unsigned)BULK_CH, rb - off);
         const char *src = v.tok + (size_t)(w0 + (int)(n / nch)) * rb + off;
+        if constexpr (CTR) {
+            if (c == 0 && n != 0)
+                ltok = (int)(gridDim.x * (blockDim.x >> 5)) +
+                       (int)atomicAdd(a.work + HEP_WORK_DISPATCH, 1u);
+            if (ltok >= w1) {
+                tok[s] = -1;
+                n_end = n;
+                return;
+            }
+            tok[s] = ltok;
+            src = v.tok + (size_t)ltok * rb + off;
+        }
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar0 + s * 8),
                      "r"(bytes)
                      : "memory");
@@ -303,9 +325,16 @@ __device__ void push_range_bulk(const hep_kargs &a, const lview &v, int L, int w
     };
     for (unsigned n = 0; n + BULK_LAG < BULK_NS; n++)
         load(n);
-    for (int i = w0; i < w1; i++) {
-        const tok_meta m = token_meta(a, v, L, i, i, mybase, s_scale, drop_cnt, pre);
-        const unsigned n0 = (unsigned)(i - w0) * nch;
+    for (int i = w0, j = 0; CTR || i < w1; i++, j++) {
+        if constexpr (CTR) {
+            __syncwarp(); /* lane 0's word for this item, written as it loaded its chunk 0 */
+            i = tok[(unsigned)j * nch % BULK_NS];
+            if (i < 0)
+                break;
+        }
+        const tok_meta m = token_meta(a, v, L, i, i, mybase, s_scale, drop_cnt,
+                                      CTR ? pre_all + (size_t)(i / chunk) * a.R : pre);
+        const unsigned n0 = (unsigned)(CTR ? j : i - w0) * nch;
         for (unsigned c = 0; c < nch; c++) {
             const unsigned n = n0 + c, s = n % BULK_NS, off = c * BULK_CH;
             mbar_wait(bar0 + s * 8, (n / BULK_NS) & 1u);
@@ -349,6 +378,12 @@ __device__ void push_range_bulk(const hep_kargs &a, const lview &v, int L, int w
 // DISPATCH_RGRAB and DISPATCH_GRAB override the choices (tuning). The row bases are block
 // 0's (meta), or with `base` the block's own (shared memory), its positions then made
 // rank-wide by `pre` as they are pushed.
+// BULK_RGRAB (tuning, off; bench/NOTES.md, session 21): the bulk build takes the rank's
+// counter too, through push_range_bulk's ring (CTR): where node-mates are on one node (R >
+// 1), or with BULK_RGRAB=2 also a rank alone.
+#ifndef BULK_RGRAB
+#define BULK_RGRAB 0
+#endif
 #ifndef DISPATCH_RGRAB
 #ifdef HEP_BULK_STORES
 #define DISPATCH_RGRAB 0
@@ -378,6 +413,17 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
     if (RANK || pre_all) {
         const int nw = blockDim.x >> 5, W = gridDim.x * nw;
         const int chunk = (v.t + gridDim.x - 1) / gridDim.x; /* block_range's */
+#if defined(HEP_BULK_STORES) && BULK_PIPE && BULK_RGRAB
+        if (!RANK && !v.slot) {
+            __shared__ unsigned long long s_rbars[DISPATCH_THREADS / 32 * BULK_NS];
+            __shared__ int s_toks[DISPATCH_THREADS / 32 * BULK_NS];
+            push_range_bulk<true>(a, v, L, blockIdx.x * nw + (threadIdx.x >> 5), v.t, mybase,
+                                  s_x, s_prob, s_scale, drop_cnt, NULL, s_rbars, s_toks,
+                                  pre_all, chunk);
+            bulk_wait_all();
+            return;
+        }
+#endif
         for (int i = blockIdx.x * nw + (threadIdx.x >> 5); i < v.t;) {
             push_token(a, v, L, i, i, mybase, s_x, s_prob, s_scale, drop_cnt,
                        RANK ? NULL : pre_all + (size_t)(i / chunk) * a.R);
@@ -899,8 +945,10 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         LTRACE(6);
         /* the rank-wide token counter (push_list) where every block's s.pre fits the
          * scan's scratch (s.pkey, gkey and gcnt: the expert-major layout's only) */
-        int *pre_all =
-            DISPATCH_RGRAB && S * R <= PRE_ALL_PER_THREAD * (int)blockDim.x ? s.pkey : NULL;
+        int *pre_all = (DISPATCH_RGRAB || (BULK_RGRAB && (R > 1 || BULK_RGRAB > 1))) &&
+                               S * R <= PRE_ALL_PER_THREAD * (int)blockDim.x
+                           ? s.pkey
+                           : NULL;
         own_layout(a, e, s, pre_all);
         const bool over = over_capacity(a, s.tot) >= 0 && !a.drop;
         const unsigned long long t_layout = now_ns();
