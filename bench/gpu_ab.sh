@@ -14,6 +14,7 @@
 # one-rank sweep only. Trace builds (HEP_LAYOUT_TRACE) run once each, their cycle lines printed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. bench/gpu_unpack.sh
 OUT=${OUT:-/tmp/hep-gpu}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}
@@ -37,7 +38,7 @@ print("%-8s layout us: " % sys.argv[2] + " ".join("%d SMs %.2f" % (r["sms_per_ra
     { echo "$label: exit $rc, not verified:"; tail -5 "$OUT/ab_last.txt"; }
 }
 for r in $(seq 1 "${AB_ROUNDS:-2}"); do
-  echo "--- round $r"
+  echo "--- round $r ($(date +%T))"
   for n in base $names; do
     b=${n%%:*}; [ "$b" = env ] && b=base
     d=.gpu; [ "$b" = base ] || d=.gpu/var/$b; [ -d "$d" ] || d=.gpu/$b

@@ -49,6 +49,7 @@
 #     runs; TRAIN_TEST_FILTER the same for test_gpu_train
 set -uo pipefail
 cd "$(dirname "$0")/.."
+. bench/gpu_unpack.sh
 OUT=${OUT:-/tmp/hep-gpu}
 mkdir -p "$OUT"
 B=${GPU_DIR:-.gpu}
