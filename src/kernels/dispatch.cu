@@ -835,6 +835,30 @@ __device__ __forceinline__ void ltrace_print(const hep_kargs &a, bool self)
 // The end of a rank-major dispatch: every block arrives at every destination, block 0
 // recounts what was kept when rows were dropped, and (trace builds) prints the layout's
 // cycles (`own`: the blocks' own layout).
+// FIRST_FINISH (tuning, off; bench/NOTES.md, session 21): on one node, rank-major, the
+// layout's outputs are written by the first block done with its push instead of block 0
+// after its own (every block derived the same row bases and totals), so that they come off
+// the kernel's tail while the other blocks still push. Not with drops: block 0 counts the
+// tokens per expert again after the arrivals, from what layout_finish wrote.
+#ifndef FIRST_FINISH
+#define FIRST_FINISH 0
+#endif
+__device__ __forceinline__ bool first_done(const hep_kargs &a)
+{
+    __shared__ int s_first;
+    if (a.drop)
+        return blockIdx.x == 0;
+    __syncthreads(); /* the block's pushes are done */
+    if (threadIdx.x == 0) {
+        const unsigned k = atomicAdd(a.work + HEP_WORK_FINISH, 1u);
+        s_first = k == 0;
+        if (k == gridDim.x - 1) /* the last one resets it for the next call */
+            a.work[HEP_WORK_FINISH] = 0;
+    }
+    __syncthreads();
+    return s_first;
+}
+
 __device__ __forceinline__ void dispatch_end(const hep_kargs &a, unsigned long long e, bool own)
 {
     arrive_all(a, e);
@@ -962,7 +986,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         BTRACE_WARP();
         if (pre_all) /* the last block done with the counter resets it for the next call */
             work_done(a.work + HEP_WORK_DISPATCH, 1, a.work + HEP_WORK_DISPATCH_DONE);
-        if (b == 0) {
+        if (FIRST_FINISH ? first_done(a) : b == 0) {
             for (int d = tid; d < R; d += blockDim.x)
                 a.meta[d] = s.base[d];
             layout_finish(a, e, s);
