@@ -464,16 +464,21 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
 }
 
 // The end of every block: it arrives at every destination; block 0 waits for every
-// source's S arrivals here. SOLO_END (tuning, off: bench/NOTES.md, session 20): a rank
-// alone on one node, no dropped rows to count again, skips both, as no other rank writes
-// here and the kernel's end orders its own rows for whoever reads them next.
+// source's S arrivals here (`e * S` in all: every call arrives). SOLO_END (tuning, off:
+// bench/NOTES.md, sessions 20 and 21): a rank alone on one node skips both where it has no
+// dropped rows to count again, as no other rank writes here and the kernel's end orders
+// its own rows for whoever reads them next; a call with drops still arrives, and block 0
+// waits for `solo_base + S`, solo_base being the arrivals it read at the kernel's start
+// (before any block of this call could arrive), as earlier calls may not have arrived.
 #ifndef SOLO_END
 #define SOLO_END 0
 #endif
-__device__ __forceinline__ void arrive_all(const hep_kargs &a, unsigned long long e)
+__device__ __forceinline__ void arrive_all(const hep_kargs &a, unsigned long long e,
+                                           unsigned long long solo_base = 0)
 {
     const int R = a.R, tid = threadIdx.x;
-    if (SOLO_END && R == 1 && a.N == 1 && !a.drop)
+    const bool solo = SOLO_END && R == 1 && a.N == 1;
+    if (solo && !a.drop)
         return;
     __syncthreads();
     if (tid == 0) {
@@ -483,7 +488,8 @@ __device__ __forceinline__ void arrive_all(const hep_kargs &a, unsigned long lon
     }
     if (blockIdx.x == 0 && tid < R)
         wait_mate(a, a.flags[a.local] + HEP_FLAG_DISPATCH_ARRIVE + tid,
-                  e * (unsigned long long)gridDim.x, HEP_STAGE_DISPATCH, tid);
+                  solo ? solo_base + gridDim.x : e * (unsigned long long)gridDim.x,
+                  HEP_STAGE_DISPATCH, tid);
 }
 
 // Block 0, after arrive_all, when this rank's rows went past the capacity with a.drop:
@@ -859,9 +865,10 @@ __device__ __forceinline__ bool first_done(const hep_kargs &a)
     return s_first;
 }
 
-__device__ __forceinline__ void dispatch_end(const hep_kargs &a, unsigned long long e, bool own)
+__device__ __forceinline__ void dispatch_end(const hep_kargs &a, unsigned long long e, bool own,
+                                             unsigned long long solo_base = 0)
 {
-    arrive_all(a, e);
+    arrive_all(a, e, solo_base);
     if (blockIdx.x == 0)
         drop_recount(a, e);
     ltrace_print(a, own);
@@ -912,6 +919,15 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
             NT_SPAN(a, e, 0);
     }
     block_start_jitter(a, e);
+#if SOLO_END
+    /* arrive_all's count before this call (block 0, tid 0; before it arrives anywhere) */
+    __shared__ unsigned long long s_solo;
+    if (R == 1 && N == 1 && b == 0 && tid == 0)
+        s_solo = ld_relaxed(a.flags[a.local] + HEP_FLAG_DISPATCH_ARRIVE);
+#define SOLO_BASE s_solo
+#else
+#define SOLO_BASE 0ull
+#endif
     for (int j = tid; j < R; j += blockDim.x) {
         s_x[j] = a.x[j];
         s_prob[j] = a.prob[j];
@@ -946,7 +962,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
             else
                 push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, &s_grab);
         }
-        arrive_all(a, e);
+        arrive_all(a, e, SOLO_BASE);
         return;
     }
     // 1. this rank's own tokens: positions within the block, counts
@@ -992,7 +1008,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
             layout_finish(a, e, s);
             layout_report(a, s, t_start, t_layout);
         }
-        dispatch_end(a, e, true);
+        dispatch_end(a, e, true, SOLO_BASE);
 #ifdef HEP_BLOCK_TRACE
         BTRACE(3);
         __syncthreads();
@@ -1047,7 +1063,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
             em_push(a, s, s_x, s_prob, s_scale);
         if (NODES && !ring_dispatch<true>(a, e, over, s, s_x, s_prob, s_scale, NULL))
             return;
-        arrive_all(a, e);
+        arrive_all(a, e, SOLO_BASE);
         if (NODES && tid == 0)
             NT_SPAN(a, e, 13);
         return;
@@ -1061,11 +1077,12 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
     // any block forwards any chunk as it lands
     if (NODES && !ring_dispatch<false>(a, e, over, s, s_x, s_prob, s_scale, drop_base))
         return;
-    dispatch_end(a, e, false);
+    dispatch_end(a, e, false, SOLO_BASE);
     if (NODES && tid == 0)
         NT_SPAN(a, e, 13);
 }
 
+#undef SOLO_BASE
 } // namespace hep_dispatch (hep_dispatch_bulk)
 
 extern "C" size_t HEP_DISPATCH_NAME(hep_dispatch_smem)(int R, int El)
