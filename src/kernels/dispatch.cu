@@ -379,8 +379,10 @@ __device__ void push_range_bulk(const hep_kargs &a, const lview &v, int L, int w
 // 0's (meta), or with `base` the block's own (shared memory), its positions then made
 // rank-wide by `pre` as they are pushed.
 // BULK_RGRAB (tuning, off; bench/NOTES.md, session 21): the bulk build takes the rank's
-// counter too, through push_range_bulk's ring (CTR): where node-mates are on one node (R >
-// 1), or with BULK_RGRAB=2 also a rank alone.
+// counter too, through push_range_bulk's ring, in a kernel instance of its own (CTR, so
+// that the fixed shares keep their machine code: in one instance with both they were 12%
+// slower at 16 SMs): where node-mates are on one node (R > 1), or with BULK_RGRAB=2 also a
+// rank alone.
 #ifndef BULK_RGRAB
 #define BULK_RGRAB 0
 #endif
@@ -398,7 +400,7 @@ __device__ void push_range_bulk(const hep_kargs &a, const lview &v, int L, int w
 #define DISPATCH_GRAB 1
 #endif
 #endif
-template <bool GRAB = DISPATCH_GRAB, bool RANK = false>
+template <bool GRAB = DISPATCH_GRAB, bool RANK = false, bool CTR = false>
 __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const *s_x,
                           float *const *s_prob, float *const *s_scale, int *grab,
                           int *drop_cnt = NULL, const int *base = NULL, const int *pre = NULL,
@@ -413,8 +415,8 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
     if (RANK || pre_all) {
         const int nw = blockDim.x >> 5, W = gridDim.x * nw;
         const int chunk = (v.t + gridDim.x - 1) / gridDim.x; /* block_range's */
-#if defined(HEP_BULK_STORES) && BULK_PIPE && BULK_RGRAB
-        if (!RANK && !v.slot) {
+#if defined(HEP_BULK_STORES) && BULK_PIPE
+        if (CTR && !RANK && !v.slot) {
             __shared__ unsigned long long s_rbars[DISPATCH_THREADS / 32 * BULK_NS];
             __shared__ int s_toks[DISPATCH_THREADS / 32 * BULK_NS];
             push_range_bulk<true>(a, v, L, blockIdx.x * nw + (threadIdx.x >> 5), v.t, mybase,
@@ -877,7 +879,7 @@ __device__ __forceinline__ void dispatch_end(const hep_kargs &a, unsigned long l
 // EM: the expert-major layout (kernels/expert_major.cuh); the rank-major kernel is the
 // EM = false instance, its loops untouched. NODES: N > 1 (the rings' code is in these
 // instances only, so that it takes no registers from the one-node instances).
-template <bool EM, bool NODES>
+template <bool EM, bool NODES, bool CTR = false>
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispatch)(hep_kargs a)
 {
     if (a.warm)
@@ -985,8 +987,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         LTRACE(6);
         /* the rank-wide token counter (push_list) where every block's s.pre fits the
          * scan's scratch (s.pkey, gkey and gcnt: the expert-major layout's only) */
-        int *pre_all = (DISPATCH_RGRAB || (BULK_RGRAB && (R > 1 || BULK_RGRAB > 1))) &&
-                               S * R <= PRE_ALL_PER_THREAD * (int)blockDim.x
+        int *pre_all = (DISPATCH_RGRAB || CTR) && S * R <= PRE_ALL_PER_THREAD * (int)blockDim.x
                            ? s.pkey
                            : NULL;
         own_layout(a, e, s, pre_all);
@@ -995,8 +996,9 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         LTRACE(9);
         BTRACE(1);
         if (!over)
-            push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, &s_grab,
-                      a.drop ? mine : NULL, s.base, s.pre, pre_all);
+            push_list<DISPATCH_GRAB, false, CTR>(a, list_of(a, a.node), a.node, s_x, s_prob,
+                                                 s_scale, &s_grab, a.drop ? mine : NULL, s.base,
+                                                 s.pre, pre_all);
         else /* nothing pushed: the positions still made rank-wide, for the handle */
             rebase_own(a, s);
         BTRACE_WARP();
@@ -1099,6 +1101,10 @@ extern "C" int HEP_DISPATCH_NAME(hep_launch_dispatch)(const hep_kargs *a, int bl
     size_t smem = HEP_DISPATCH_NAME(hep_dispatch_smem)(a->R, a->El);
     void (*k)(hep_kargs) = a->emajor ? (a->N > 1 ? K_DISPATCH<true, true> : K_DISPATCH<true, false>)
                                      : (a->N > 1 ? K_DISPATCH<false, true> : K_DISPATCH<false, false>);
+#if defined(HEP_BULK_STORES) && BULK_RGRAB /* (tuning) the counter ring's instance */
+    if (!a->emajor && a->N == 1 && !a->reuse && (a->R > 1 || BULK_RGRAB > 1))
+        k = K_DISPATCH<false, false, true>;
+#endif
     int e = hep_allow_smem((const void *)k, smem);
     if (e != 0)
         return e;
@@ -1117,6 +1123,11 @@ extern "C" int HEP_DISPATCH_NAME(hep_warm_dispatch)(const hep_kargs *a, void *st
         w.N = i & 2 ? 2 : 1;
         e = HEP_DISPATCH_NAME(hep_launch_dispatch)(&w, 1, stream);
     }
+#if defined(HEP_BULK_STORES) && BULK_RGRAB /* the counter ring's instance (R > 1) */
+    w.emajor = 0, w.N = 1, w.R = 2, w.reuse = 0;
+    if (e == 0)
+        e = HEP_DISPATCH_NAME(hep_launch_dispatch)(&w, 1, stream);
+#endif
     return e;
 }
 #undef K_DISPATCH
