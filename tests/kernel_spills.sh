@@ -36,5 +36,20 @@ for f in "$src"/src/kernels/*.cu; do
       if (m + 0 > bound + 0) {
         printf "STATIC SMEM: %s %s: %d bytes (bound %d)\n", file, name, m, bound; bad = 1 } }
     END { exit bad }' "$tmp/log" || fail=1
+  # The bulk dispatch's stages (dynamic shared memory) start where the kernel's static shared
+  # memory ends, rounded up to that section's alignment: 128 (hep_stage's), so that a few
+  # bytes of static shared memory more never leave the bulk copies' stages off 128-byte lines
+  # (16 bytes off made the one-rank dispatch 70% slower at 16 SMs: bench/NOTES.md, session 21).
+  if [ "${f##*/}" = dispatch_bulk.cu ]; then
+    readelf -SW "$tmp/k.cubin" 2>/dev/null | awk '
+      function hex(h,  i, v) { v = 0; for (i = 1; i <= length(h); i++)
+                                 v = v * 16 + index("0123456789abcdef", substr(h, i, 1)) - 1
+                               return v }
+      /\.nv\.shared\..*k_dispatch/ { n++; al = $NF + 0; sz = hex(tolower($(NF - 5)))
+        if (al < 128 || sz % 128) { printf "STAGE ALIGNMENT: %s: align %d, size %d\n", $0, al, sz; bad = 1 } }
+      END { if (!n) { print "STAGE ALIGNMENT: no k_dispatch_bulk shared section (readelf?)"; bad = 1 }
+            else if (!bad) printf "ok: dispatch_bulk.cu: %d instances'"'"' stages on 128-byte lines\n", n
+            exit bad }' || fail=1
+  fi
 done
 exit $fail

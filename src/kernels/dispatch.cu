@@ -47,7 +47,11 @@ namespace HEP_DISPATCH_NAME(hep_dispatch) {
 // Bulk stores (dispatch_bulk.cu; bench/NOTES.md, "Session 6"): each pass is staged once in
 // the warp's shared memory and every pair's lane issues one bulk copy (cp.async.bulk,
 // shared -> global) of it, so the stores leave the warp's issue slots and registers.
-extern __shared__ __align__(16) uint4 hep_stage[];
+// Dynamic shared memory starts where the static ends, rounded up to this alignment: 128, so
+// that the stages stay on 128-byte lines whatever static shared memory the kernel has
+// (16 bytes off, the one-rank dispatch was 70% slower at 16 SMs: bench/NOTES.md, session
+// 21; tests/kernel_spills.sh checks it).
+extern __shared__ __align__(128) uint4 hep_stage[];
 __device__ __forceinline__ void bulk_wait_read()
 {
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
