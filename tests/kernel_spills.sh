@@ -39,7 +39,7 @@ for f in "$src"/src/kernels/*.cu; do
   # The bulk dispatch's stages (dynamic shared memory) start where the kernel's static shared
   # memory ends, rounded up to that section's alignment: 128 (hep_stage's), so that a few
   # bytes of static shared memory more never leave the bulk copies' stages off 128-byte lines
-  # (16 bytes off made the one-rank dispatch 70% slower at 16 SMs: bench/NOTES.md, session 21).
+  # (a variant 16 bytes off was 70% slower at one rank, 16 SMs: bench/NOTES.md, session 21).
   if [ "${f##*/}" = dispatch_bulk.cu ]; then
     readelf -SW "$tmp/k.cubin" 2>/dev/null | awk '
       function hex(h,  i, v) { v = 0; for (i = 1; i <= length(h); i++)
