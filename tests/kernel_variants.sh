@@ -16,9 +16,9 @@ for v in "dispatch_bulk.cu HEP_STRIDED_TOKENS" "dispatch_bulk.cu HEP_LAYOUT_TRAC
          "dispatch.cu HEP_STREAMING_STORES" "dispatch.cu HEP_LAYOUT_TRACE" "dispatch.cu DU=8" \
          "combine.cu HEP_STATIC_TOKENS" "combine.cu HEP_STREAMING_LOADS" "combine.cu COMBINE_CD=2" \
          "dispatch.cu HEP_NODE_TRACE" "combine.cu HEP_NODE_TRACE" "node_pack.cu HEP_NODE_TRACE" \
-         "dispatch.cu OWN_GRID_WAIT=1 OWN_LAYOUT_ROUNDS=1" "dispatch_bulk.cu OWN_GRID_WAIT=1" \
-         "dispatch_bulk.cu SOLO_END=1" "dispatch_bulk.cu BULK_RGRAB=1" \
-         "dispatch_bulk.cu FIRST_FINISH=1" "dispatch.cu FIRST_FINISH=1" "dispatch.cu SOLO_END=1"; do
+         "dispatch.cu OWN_GRID_WAIT=0 OWN_LAYOUT_ROUNDS=2" "dispatch_bulk.cu OWN_GRID_WAIT=0" \
+         "dispatch_bulk.cu SOLO_END=0" "dispatch_bulk.cu BULK_RGRAB=1" \
+         "dispatch_bulk.cu FIRST_FINISH=1" "dispatch.cu FIRST_FINISH=1" "dispatch.cu SOLO_END=0"; do
   set -- $v
   f=$1; shift
   defs=$(for d in "$@"; do printf -- '-D%s ' "$d"; done) # one file, its definitions

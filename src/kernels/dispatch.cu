@@ -470,14 +470,16 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
 }
 
 // The end of every block: it arrives at every destination; block 0 waits for every
-// source's S arrivals here (`e * S` in all: every call arrives). SOLO_END (tuning, off:
-// bench/NOTES.md, sessions 20 and 21): a rank alone on one node skips both where it has no
-// dropped rows to count again, as no other rank writes here and the kernel's end orders
-// its own rows for whoever reads them next; a call with drops still arrives, and block 0
-// waits for `solo_base + S`, solo_base being the arrivals it read at the kernel's start
-// (before any block of this call could arrive), as earlier calls may not have arrived.
+// source's S arrivals here (`e * S` in all where every call arrives). A rank alone on one
+// node skips both where it has no dropped rows to count again, as no other rank writes
+// here and the kernel's end orders its own rows for whoever reads them next (bench/NOTES.md,
+// sessions 20 to 22; SOLO_END=0, tuning, arrives always); a call with drops still arrives,
+// and block 0 waits for `solo_base + S`, solo_base being the arrivals it read at the
+// kernel's start (before the layout step, which no block passes before block 0 published
+// its counts, so before any block of this call could arrive), as earlier calls may not
+// have arrived.
 #ifndef SOLO_END
-#define SOLO_END 0
+#define SOLO_END 1
 #endif
 __device__ __forceinline__ void arrive_all(const hep_kargs &a, unsigned long long e,
                                            unsigned long long solo_base = 0)

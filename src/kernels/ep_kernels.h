@@ -18,7 +18,8 @@
  *    bases; block 0 writes the outputs after its push.) Then every
  *    block pushes rows, probabilities and scales into the destinations' buffers and adds 1
  *    to DISPATCH_ARRIVE[source] at each destination; block 0 waits until
- *    DISPATCH_ARRIVE[s] >= e * S for every source s.
+ *    DISPATCH_ARRIVE[s] >= e * S for every source s (a rank alone on one node skips
+ *    both, except in a call that dropped rows: kernels/dispatch.cu, arrive_all).
  *    With HEP_REUSE_LAYOUT (a.reuse) the scan and the counts are skipped: the positions,
  *    row bases and counts are a handle's (a later call's scan never ran over them), and
  *    block 0 only publishes COUNTS_READY = e and waits for every node-mate's (the barrier

@@ -214,13 +214,13 @@ static __device__ bool publish_counts(const hep_kargs &a, unsigned long long e,
 }
 
 // Every node-mate published its counts of call e (threads tid < R wait one each).
-// OWN_GRID_WAIT (tuning, off: bench/NOTES.md, session 20) with `own_grid` (one node,
-// rank-major: arrive_publish): this rank's own counts are complete once all its blocks
-// arrived at the grid counter, each after its counts, so thread a.local waits for that
-// count instead of for the flag the last block raises after it, a fence and a release
-// later (the one-rank layout step 0.5-0.7 us shorter, the dispatch within noise).
+// With `own_grid` (one node, rank-major: arrive_publish), this rank's own counts are
+// complete once all its blocks arrived at the grid counter, each after its counts, so
+// thread a.local waits for that count instead of for the flag the last block raises after
+// it, a fence and a release later (the one-rank layout step 0.5-1.2 us shorter:
+// bench/NOTES.md, sessions 20 and 22). OWN_GRID_WAIT=0 (tuning) waits for the flag.
 #ifndef OWN_GRID_WAIT
-#define OWN_GRID_WAIT 0
+#define OWN_GRID_WAIT 1
 #endif
 __device__ __forceinline__ bool wait_counts(const hep_kargs &a, unsigned long long e,
                                             bool own_grid = false)
@@ -307,11 +307,12 @@ __device__ __forceinline__ void arrive_publish(const hep_kargs &a, unsigned long
 // One warp a destination, both sums' loads in flight together. With `pre_all` ([S][R]
 // shared memory, S x R <= PRE_ALL_PER_THREAD x the block's threads) also every
 // block's s.pre: pre_all[q * R + d] = the rows at destination d of the blocks before block
-// q (a rank-wide token counter pushes any block's tokens). OWN_LAYOUT_ROUNDS (tuning, 2:
-// bench/NOTES.md, session 20) = 1: with pre_all, the blocks' totals are loaded with the
-// sources' counts, one round of loads instead of two, and s.pre comes from their scan.
+// q (a rank-wide token counter pushes any block's tokens). With pre_all, the blocks'
+// totals are loaded with the sources' counts, one round of loads instead of two, and s.pre
+// comes from their scan (bench/NOTES.md, sessions 20 and 22); OWN_LAYOUT_ROUNDS=2 (tuning)
+// loads them in a second round.
 #ifndef OWN_LAYOUT_ROUNDS
-#define OWN_LAYOUT_ROUNDS 2
+#define OWN_LAYOUT_ROUNDS 1
 #endif
 #define PRE_ALL_PER_THREAD 3
 __device__ void own_layout(const hep_kargs &a, unsigned long long e, const layout_smem &s,
