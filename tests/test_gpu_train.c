@@ -60,6 +60,7 @@ typedef struct tcase {
     float w[2][MAXW][MAXT * KS];
     int cap, cap_rank; /* cap_mode: the capacity (= set 0's most rows) and the rank of it */
     int gpu, graph_replays;
+    int lead; /* cap_mode 2: set 1 (fits) once before the dropping calls, unchecked */
     /* the expert-major layout: pad_multiple, the row budget of hA's and hB's dispatches
      * (every rank alike), the rows the recv buffers hold (the larger budget) */
     int em, pad, budget[2], em_rows;
@@ -664,6 +665,14 @@ static int drop_sequence(tcase *c, rank_ctx *x, hep_group *g, hep_handle *hA, he
     hep_dispatch_opts xo;
     hep_dispatch_args da;
     int rc = 0, crc;
+    /* a call without drops first: a rank alone skips its end arrivals there, and the
+     * dropping calls after it must not wait for them (kernels/dispatch.cu, arrive_all) */
+    if (c->lead) {
+        xo = opts_into(b, hB, 1);
+        da = dargs(c, r, b, 1, 0, st, 0);
+        if (hep_dispatch_ex(g, &da, &xo, &dr) || do_combine(g, hB, b, 1, st, 0, 1))
+            FAIL("rank %d: the call that fits before the drops: %s", r, hep_last_error());
+    }
     if (!c->gpu) {
         xo = opts_into(b, hA, 0);
         da = dargs(c, r, b, 0, 0, st, HEP_ASYNC);
@@ -1392,6 +1401,17 @@ static void no_sync_past_the_capacity_drops_rows_in_graph_replays_then_fits(void
     free(c);
 }
 
+static void one_rank_drops_rows_after_a_call_that_fits_then_fits(void **state)
+{
+    tcase *c = new_case();
+    (void)state;
+    make_drop_case(c, 1, T_(), 256, 0, 0, 19u);
+    c->graph_replays = 3;
+    c->lead = 1;
+    run_case(c, "one rank, fits, drops in graph replays x3, fits");
+    free(c);
+}
+
 static void graph_replays_of_the_no_sync_mode_equal_the_host(void **state)
 {
     tcase *c = new_case();
@@ -1650,6 +1670,7 @@ int main(void)
         cmocka_unit_test(capacity_met_then_one_short_then_fits_again_fp8),
         cmocka_unit_test(expert_major_capacity_met_then_one_short_then_fits_again),
         cmocka_unit_test(no_sync_past_the_capacity_drops_rows_in_graph_replays_then_fits),
+        cmocka_unit_test(one_rank_drops_rows_after_a_call_that_fits_then_fits),
         cmocka_unit_test(graph_replays_of_the_no_sync_mode_equal_the_host),
         cmocka_unit_test(expert_major_pad_1_equals_the_host),
         cmocka_unit_test(expert_major_pad_16_equals_the_host),
