@@ -274,29 +274,19 @@ __device__ __forceinline__ void push_token(const hep_kargs &a, const lview &v, i
 // Every chunk is waited for even where no destination takes it, so that each stage's
 // mbarrier phase is its use count. (The mbarrier wait is on this warp's own copy, not on
 // another rank: it ends unless the copy faults, which ends the kernel.)
-// CTR (BULK_RGRAB, tuning): the items come from the rank-wide token counter instead (token
-// w0 first, then W + k for each k the counter gives; none at or past w1): lane 0 asks for
-// the next token as it loads that token's first chunk and leaves it in `toks` (the warp's
-// BULK_NS words, one a stage: -1 past the last), where the warp reads it before the chunk;
-// the positions are made rank-wide with the token's block's pre_all row (`chunk` tokens a
-// block).
-template <bool CTR = false>
 __device__ void push_range_bulk(const hep_kargs &a, const lview &v, int L, int w0, int w1,
                                 int mybase, char *const *s_x, float *const *s_prob,
                                 float *const *s_scale, int *drop_cnt, const int *pre,
-                                unsigned long long *bars, int *toks = NULL,
-                                const int *pre_all = NULL, int chunk = 0)
+                                unsigned long long *bars)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const unsigned rb = (unsigned)((size_t)a.H * a.esize), nch = (rb + BULK_CH - 1) / BULK_CH;
-    unsigned n_end = CTR ? ~0u : (unsigned)max(w1 - w0, 0) * nch; /* CTR: lane 0 lowers it */
+    const unsigned n_end = (unsigned)max(w1 - w0, 0) * nch;
     const unsigned bar0 = (unsigned)__cvta_generic_to_shared(bars + warp * BULK_NS);
     const unsigned st0 = (unsigned)__cvta_generic_to_shared(hep_stage) +
                          (unsigned)(warp * BULK_NS * BULK_CH);
-    if (CTR ? w0 >= w1 : n_end == 0)
+    if (n_end == 0)
         return;
-    volatile int *tok = CTR ? toks + warp * BULK_NS : NULL;
-    int ltok = w0; /* CTR, lane 0: the token whose chunks it loads */
     if (lane < BULK_NS)
         asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + lane * 8) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -307,18 +297,6 @@ __device__ void push_range_bulk(const hep_kargs &a, const lview &v, int L, int w
         const unsigned s = n % BULK_NS, c = n % nch, off = c * BULK_CH;
         const unsigned bytes = min((unsigned)BULK_CH, rb - off);
         const char *src = v.tok + (size_t)(w0 + (int)(n / nch)) * rb + off;
-        if constexpr (CTR) {
-            if (c == 0 && n != 0)
-                ltok = (int)(gridDim.x * (blockDim.x >> 5)) +
-                       (int)atomicAdd(a.work + HEP_WORK_DISPATCH, 1u);
-            if (ltok >= w1) {
-                tok[s] = -1;
-                n_end = n;
-                return;
-            }
-            tok[s] = ltok;
-            src = v.tok + (size_t)ltok * rb + off;
-        }
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar0 + s * 8),
                      "r"(bytes)
                      : "memory");
@@ -329,16 +307,9 @@ __device__ void push_range_bulk(const hep_kargs &a, const lview &v, int L, int w
     };
     for (unsigned n = 0; n + BULK_LAG < BULK_NS; n++)
         load(n);
-    for (int i = w0, j = 0; CTR || i < w1; i++, j++) {
-        if constexpr (CTR) {
-            __syncwarp(); /* lane 0's word for this item, written as it loaded its chunk 0 */
-            i = tok[(unsigned)j * nch % BULK_NS];
-            if (i < 0)
-                break;
-        }
-        const tok_meta m = token_meta(a, v, L, i, i, mybase, s_scale, drop_cnt,
-                                      CTR ? pre_all + (size_t)(i / chunk) * a.R : pre);
-        const unsigned n0 = (unsigned)(CTR ? j : i - w0) * nch;
+    for (int i = w0; i < w1; i++) {
+        const tok_meta m = token_meta(a, v, L, i, i, mybase, s_scale, drop_cnt, pre);
+        const unsigned n0 = (unsigned)(i - w0) * nch;
         for (unsigned c = 0; c < nch; c++) {
             const unsigned n = n0 + c, s = n % BULK_NS, off = c * BULK_CH;
             mbar_wait(bar0 + s * 8, (n / BULK_NS) & 1u);
@@ -382,14 +353,6 @@ __device__ void push_range_bulk(const hep_kargs &a, const lview &v, int L, int w
 // DISPATCH_RGRAB and DISPATCH_GRAB override the choices (tuning). The row bases are block
 // 0's (meta), or with `base` the block's own (shared memory), its positions then made
 // rank-wide by `pre` as they are pushed.
-// BULK_RGRAB (tuning, off; bench/NOTES.md, session 21): the bulk build takes the rank's
-// counter too, through push_range_bulk's ring, in a kernel instance of its own (CTR, so
-// that the fixed shares keep their machine code: in one instance with both they were 12%
-// slower at 16 SMs): where node-mates are on one node (R > 1), or with BULK_RGRAB=2 also a
-// rank alone.
-#ifndef BULK_RGRAB
-#define BULK_RGRAB 0
-#endif
 #ifndef DISPATCH_RGRAB
 #ifdef HEP_BULK_STORES
 #define DISPATCH_RGRAB 0
@@ -404,7 +367,7 @@ __device__ void push_range_bulk(const hep_kargs &a, const lview &v, int L, int w
 #define DISPATCH_GRAB 1
 #endif
 #endif
-template <bool GRAB = DISPATCH_GRAB, bool RANK = false, bool CTR = false>
+template <bool GRAB = DISPATCH_GRAB, bool RANK = false>
 __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const *s_x,
                           float *const *s_prob, float *const *s_scale, int *grab,
                           int *drop_cnt = NULL, const int *base = NULL, const int *pre = NULL,
@@ -419,17 +382,6 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
     if (RANK || pre_all) {
         const int nw = blockDim.x >> 5, W = gridDim.x * nw;
         const int chunk = (v.t + gridDim.x - 1) / gridDim.x; /* block_range's */
-#if defined(HEP_BULK_STORES) && BULK_PIPE
-        if (CTR && !RANK && !v.slot) {
-            __shared__ unsigned long long s_rbars[DISPATCH_THREADS / 32 * BULK_NS];
-            __shared__ int s_toks[DISPATCH_THREADS / 32 * BULK_NS];
-            push_range_bulk<true>(a, v, L, blockIdx.x * nw + (threadIdx.x >> 5), v.t, mybase,
-                                  s_x, s_prob, s_scale, drop_cnt, NULL, s_rbars, s_toks,
-                                  pre_all, chunk);
-            bulk_wait_all();
-            return;
-        }
-#endif
         for (int i = blockIdx.x * nw + (threadIdx.x >> 5); i < v.t;) {
             push_token(a, v, L, i, i, mybase, s_x, s_prob, s_scale, drop_cnt,
                        RANK ? NULL : pre_all + (size_t)(i / chunk) * a.R);
@@ -473,19 +425,16 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
 // source's S arrivals here (`e * S` in all where every call arrives). A rank alone on one
 // node skips both where it has no dropped rows to count again, as no other rank writes
 // here and the kernel's end orders its own rows for whoever reads them next (bench/NOTES.md,
-// sessions 20 to 22; SOLO_END=0, tuning, arrives always); a call with drops still arrives,
+// sessions 20 to 22); a call with drops still arrives,
 // and block 0 waits for `solo_base + S`, solo_base being the arrivals it read at the
 // kernel's start (before the layout step, which no block passes before block 0 published
 // its counts, so before any block of this call could arrive), as earlier calls may not
 // have arrived.
-#ifndef SOLO_END
-#define SOLO_END 1
-#endif
 __device__ __forceinline__ void arrive_all(const hep_kargs &a, unsigned long long e,
                                            unsigned long long solo_base = 0)
 {
     const int R = a.R, tid = threadIdx.x;
-    const bool solo = SOLO_END && R == 1 && a.N == 1;
+    const bool solo = R == 1 && a.N == 1;
     if (solo && !a.drop)
         return;
     __syncthreads();
@@ -849,30 +798,6 @@ __device__ __forceinline__ void ltrace_print(const hep_kargs &a, bool self)
 // The end of a rank-major dispatch: every block arrives at every destination, block 0
 // recounts what was kept when rows were dropped, and (trace builds) prints the layout's
 // cycles (`own`: the blocks' own layout).
-// FIRST_FINISH (tuning, off; bench/NOTES.md, session 21): on one node, rank-major, the
-// layout's outputs are written by the first block done with its push instead of block 0
-// after its own (every block derived the same row bases and totals), so that they come off
-// the kernel's tail while the other blocks still push. Not with drops: block 0 counts the
-// tokens per expert again after the arrivals, from what layout_finish wrote.
-#ifndef FIRST_FINISH
-#define FIRST_FINISH 0
-#endif
-__device__ __forceinline__ bool first_done(const hep_kargs &a)
-{
-    __shared__ int s_first;
-    if (a.drop)
-        return blockIdx.x == 0;
-    __syncthreads(); /* the block's pushes are done */
-    if (threadIdx.x == 0) {
-        const unsigned k = atomicAdd(a.work + HEP_WORK_FINISH, 1u);
-        s_first = k == 0;
-        if (k == gridDim.x - 1) /* the last one resets it for the next call */
-            a.work[HEP_WORK_FINISH] = 0;
-    }
-    __syncthreads();
-    return s_first;
-}
-
 __device__ __forceinline__ void dispatch_end(const hep_kargs &a, unsigned long long e, bool own,
                                              unsigned long long solo_base = 0)
 {
@@ -885,7 +810,7 @@ __device__ __forceinline__ void dispatch_end(const hep_kargs &a, unsigned long l
 // EM: the expert-major layout (kernels/expert_major.cuh); the rank-major kernel is the
 // EM = false instance, its loops untouched. NODES: N > 1 (the rings' code is in these
 // instances only, so that it takes no registers from the one-node instances).
-template <bool EM, bool NODES, bool CTR = false>
+template <bool EM, bool NODES>
 __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispatch)(hep_kargs a)
 {
     if (a.warm)
@@ -927,15 +852,10 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
             NT_SPAN(a, e, 0);
     }
     block_start_jitter(a, e);
-#if SOLO_END
     /* arrive_all's count before this call (block 0, tid 0; before it arrives anywhere) */
     __shared__ unsigned long long s_solo;
     if (R == 1 && N == 1 && b == 0 && tid == 0)
         s_solo = ld_relaxed(a.flags[a.local] + HEP_FLAG_DISPATCH_ARRIVE);
-#define SOLO_BASE s_solo
-#else
-#define SOLO_BASE 0ull
-#endif
     for (int j = tid; j < R; j += blockDim.x) {
         s_x[j] = a.x[j];
         s_prob[j] = a.prob[j];
@@ -970,7 +890,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
             else
                 push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, &s_grab);
         }
-        arrive_all(a, e, SOLO_BASE);
+        arrive_all(a, e, s_solo);
         return;
     }
     // 1. this rank's own tokens: positions within the block, counts
@@ -993,7 +913,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         LTRACE(6);
         /* the rank-wide token counter (push_list) where every block's s.pre fits the
          * scan's scratch (s.pkey, gkey and gcnt: the expert-major layout's only) */
-        int *pre_all = (DISPATCH_RGRAB || CTR) && S * R <= PRE_ALL_PER_THREAD * (int)blockDim.x
+        int *pre_all = DISPATCH_RGRAB && S * R <= PRE_ALL_PER_THREAD * (int)blockDim.x
                            ? s.pkey
                            : NULL;
         own_layout(a, e, s, pre_all);
@@ -1002,21 +922,20 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         LTRACE(9);
         BTRACE(1);
         if (!over)
-            push_list<DISPATCH_GRAB, false, CTR>(a, list_of(a, a.node), a.node, s_x, s_prob,
-                                                 s_scale, &s_grab, a.drop ? mine : NULL, s.base,
-                                                 s.pre, pre_all);
+            push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, &s_grab,
+                      a.drop ? mine : NULL, s.base, s.pre, pre_all);
         else /* nothing pushed: the positions still made rank-wide, for the handle */
             rebase_own(a, s);
         BTRACE_WARP();
         if (pre_all) /* the last block done with the counter resets it for the next call */
             work_done(a.work + HEP_WORK_DISPATCH, 1, a.work + HEP_WORK_DISPATCH_DONE);
-        if (FIRST_FINISH ? first_done(a) : b == 0) {
+        if (b == 0) {
             for (int d = tid; d < R; d += blockDim.x)
                 a.meta[d] = s.base[d];
             layout_finish(a, e, s);
             layout_report(a, s, t_start, t_layout);
         }
-        dispatch_end(a, e, true, SOLO_BASE);
+        dispatch_end(a, e, true, s_solo);
 #ifdef HEP_BLOCK_TRACE
         BTRACE(3);
         __syncthreads();
@@ -1071,7 +990,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
             em_push(a, s, s_x, s_prob, s_scale);
         if (NODES && !ring_dispatch<true>(a, e, over, s, s_x, s_prob, s_scale, NULL))
             return;
-        arrive_all(a, e, SOLO_BASE);
+        arrive_all(a, e, s_solo);
         if (NODES && tid == 0)
             NT_SPAN(a, e, 13);
         return;
@@ -1085,12 +1004,11 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
     // any block forwards any chunk as it lands
     if (NODES && !ring_dispatch<false>(a, e, over, s, s_x, s_prob, s_scale, drop_base))
         return;
-    dispatch_end(a, e, false, SOLO_BASE);
+    dispatch_end(a, e, false, s_solo);
     if (NODES && tid == 0)
         NT_SPAN(a, e, 13);
 }
 
-#undef SOLO_BASE
 } // namespace hep_dispatch (hep_dispatch_bulk)
 
 extern "C" size_t HEP_DISPATCH_NAME(hep_dispatch_smem)(int R, int El)
@@ -1107,10 +1025,6 @@ extern "C" int HEP_DISPATCH_NAME(hep_launch_dispatch)(const hep_kargs *a, int bl
     size_t smem = HEP_DISPATCH_NAME(hep_dispatch_smem)(a->R, a->El);
     void (*k)(hep_kargs) = a->emajor ? (a->N > 1 ? K_DISPATCH<true, true> : K_DISPATCH<true, false>)
                                      : (a->N > 1 ? K_DISPATCH<false, true> : K_DISPATCH<false, false>);
-#if defined(HEP_BULK_STORES) && BULK_RGRAB /* (tuning) the counter ring's instance */
-    if (!a->emajor && a->N == 1 && !a->reuse && (a->R > 1 || BULK_RGRAB > 1))
-        k = K_DISPATCH<false, false, true>;
-#endif
     int e = hep_allow_smem((const void *)k, smem);
     if (e != 0)
         return e;
@@ -1129,11 +1043,6 @@ extern "C" int HEP_DISPATCH_NAME(hep_warm_dispatch)(const hep_kargs *a, void *st
         w.N = i & 2 ? 2 : 1;
         e = HEP_DISPATCH_NAME(hep_launch_dispatch)(&w, 1, stream);
     }
-#if defined(HEP_BULK_STORES) && BULK_RGRAB /* the counter ring's instance (R > 1) */
-    w.emajor = 0, w.N = 1, w.R = 2, w.reuse = 0;
-    if (e == 0)
-        e = HEP_DISPATCH_NAME(hep_launch_dispatch)(&w, 1, stream);
-#endif
     return e;
 }
 #undef K_DISPATCH

@@ -98,8 +98,7 @@
 #define HEP_WORK_COMBINE_DONE 1
 #define HEP_WORK_DISPATCH 2      /* dispatch's rank-wide token counter (push_list) */
 #define HEP_WORK_DISPATCH_DONE 3 /* its blocks done with it: the last one resets both */
-#define HEP_WORK_FINISH 4 /* dispatch's blocks done pushing (FIRST_FINISH): the last resets it */
-#define HEP_WORK_WORDS 5
+#define HEP_WORK_WORDS 4
 
 /* A handle's expert-major words (device ints): rows written (padding included), 1 if rows
  * went past the budget, token rows dropped; then from HEP_EM_WORDS, per local expert e,

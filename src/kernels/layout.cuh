@@ -218,15 +218,12 @@ static __device__ bool publish_counts(const hep_kargs &a, unsigned long long e,
 // complete once all its blocks arrived at the grid counter, each after its counts, so
 // thread a.local waits for that count instead of for the flag the last block raises after
 // it, a fence and a release later (the one-rank layout step 0.5-1.2 us shorter:
-// bench/NOTES.md, sessions 20 and 22). OWN_GRID_WAIT=0 (tuning) waits for the flag.
-#ifndef OWN_GRID_WAIT
-#define OWN_GRID_WAIT 1
-#endif
+// bench/NOTES.md, sessions 20 and 22).
 __device__ __forceinline__ bool wait_counts(const hep_kargs &a, unsigned long long e,
                                             bool own_grid = false)
 {
     bool ok = true;
-    if (OWN_GRID_WAIT && own_grid && (int)threadIdx.x == a.local)
+    if (own_grid && (int)threadIdx.x == a.local)
         ok = wait_geq_s(a, a.grid_arrive, e * gridDim.x, HEP_STAGE_PREPROCESS, a.rank0 + a.local,
                         2, NULL, false);
     else if ((int)threadIdx.x < a.R)
@@ -309,11 +306,7 @@ __device__ __forceinline__ void arrive_publish(const hep_kargs &a, unsigned long
 // block's s.pre: pre_all[q * R + d] = the rows at destination d of the blocks before block
 // q (a rank-wide token counter pushes any block's tokens). With pre_all, the blocks'
 // totals are loaded with the sources' counts, one round of loads instead of two, and s.pre
-// comes from their scan (bench/NOTES.md, sessions 20 and 22); OWN_LAYOUT_ROUNDS=2 (tuning)
-// loads them in a second round.
-#ifndef OWN_LAYOUT_ROUNDS
-#define OWN_LAYOUT_ROUNDS 1
-#endif
+// comes from their scan (bench/NOTES.md, sessions 20 and 22).
 #define PRE_ALL_PER_THREAD 3
 __device__ void own_layout(const hep_kargs &a, unsigned long long e, const layout_smem &s,
                            int *pre_all = NULL)
@@ -321,7 +314,7 @@ __device__ void own_layout(const hep_kargs &a, unsigned long long e, const layou
     const int R = a.R, El = a.El, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int b = blockIdx.x, S = gridDim.x;
     const size_t par = (size_t)(e & 1) * R * (El + 1);
-    const bool one_round = OWN_LAYOUT_ROUNDS == 1 && pre_all;
+    const bool one_round = pre_all != NULL;
     int v[PRE_ALL_PER_THREAD] = {}; /* one_round: this thread's blocks' totals, stored after */
     if (one_round)
 #pragma unroll
@@ -330,9 +323,6 @@ __device__ void own_layout(const hep_kargs &a, unsigned long long e, const layou
             if (k < S * R)
                 v[u] = ld_l2(a.block_counts + k);
         }
-    else if (pre_all)
-        for (int k = threadIdx.x; k < S * R; k += blockDim.x)
-            pre_all[k] = ld_l2(a.block_counts + k);
     for (int d = warp; d < R; d += (int)(blockDim.x >> 5)) {
         int p = 0;
         if (!one_round) /* (one_round: the scan below gives s.pre) */
