@@ -33,6 +33,10 @@
 #     separated by ';', default "2 4 12;4 2 8") with the HEP_NODE_TRACE build in NTRACE_DIR
 #     (.gpu/var/ntrace: printf 'ntrace HEP_NODE_TRACE\n' | bash bench/gpu_variants.sh),
 #     summarized by bench/ntrace.py (not part of `all`: name it)
+#   btrace: when each rank's push ends at eight ranks on the GPU (BTRACE_ARGS, bench option
+#     sets separated by ';', default "--sms 16;--sms 16 --dtype fp8;--sms 8") with the
+#     HEP_BLOCK_TRACE build in BTRACE_DIR (.gpu/var/btr: printf 'btr HEP_BLOCK_TRACE\n' |
+#     bash bench/gpu_variants.sh), summarized by bench/btrace.py (not part of `all`: name it)
 #   firstcall: FIRSTCALL_RUNS (12) fresh processes of one test_gpu_train case (FIRSTCALL_FILTER,
 #     'handles_interleaved*'), HEP_TIMEOUT_MS=FIRSTCALL_TIMEOUT_MS (3000), HEP_LOG_LEVEL=debug;
 #     for every run whose first call timed out, each rank's first dispatch launch times (a
@@ -164,6 +168,19 @@ if named ntrace; then
       > "$OUT/ntrace_$1x$2.txt" 2>&1
     grep -E '^(dispatch|combine) |verified|loopback copies|rror|timed out' "$OUT/ntrace_$1x$2.txt"
     python3 bench/ntrace.py < "$OUT/ntrace_$1x$2.txt"
+  done
+fi
+if named btrace; then
+  # the spread of the ranks' push ends (a HEP_BLOCK_TRACE build, bench/btrace.py); the
+  # trace build prints a line a block and call, so its phase times are not the library's
+  T=${BTRACE_DIR:-.gpu/var/btr}
+  IFS=';' read -ra runs <<< "${BTRACE_ARGS:---sms 16;--sms 16 --dtype fp8;--sms 8}"
+  for i in "${!runs[@]}"; do
+    step "block trace: hybridep bench --iters 7 --warmup 2 ${runs[$i]}"
+    LD_LIBRARY_PATH=$T:$LD_LIBRARY_PATH $T/hybridep bench --iters 7 --warmup 2 ${runs[$i]} \
+      > "$OUT/btrace_$i.txt" 2>&1
+    grep -E '^(dispatch|combine) |verified|rror|timed out' "$OUT/btrace_$i.txt"
+    python3 bench/btrace.py < "$OUT/btrace_$i.txt"
   done
 fi
 # the stall reasons, cycles a warp waits per issued instruction on each (Nsight Compute)
