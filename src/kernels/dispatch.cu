@@ -425,11 +425,10 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
 // source's S arrivals here (`e * S` in all where every call arrives). A rank alone on one
 // node skips both where it has no dropped rows to count again, as no other rank writes
 // here and the kernel's end orders its own rows for whoever reads them next (bench/NOTES.md,
-// sessions 20 to 22); a call with drops still arrives,
-// and block 0 waits for `solo_base + S`, solo_base being the arrivals it read at the
-// kernel's start (before the layout step, which no block passes before block 0 published
-// its counts, so before any block of this call could arrive), as earlier calls may not
-// have arrived.
+// sessions 20 to 22); a call with drops still arrives, and block 0 waits for
+// `solo_base + S`, solo_base being the arrivals it read at the kernel's start (before the
+// layout step, which no block passes before block 0 published its counts, so before any
+// block of this call could arrive), as earlier calls may not have arrived.
 __device__ __forceinline__ void arrive_all(const hep_kargs &a, unsigned long long e,
                                            unsigned long long solo_base = 0)
 {
