@@ -348,8 +348,8 @@ __device__ void push_range_bulk(const hep_kargs &a, const lview &v, int L, int w
 //    block's next untaken one from the shared counter `grab` (zero before the call; one
 //    call a kernel).
 //  - otherwise each warp takes consecutive tokens of the block's share: with bulk stores
-//    on one node (one rank a GPU) either counter was slower (40% at 16 SMs for the block's,
-//    10% for the rank's).
+//    on one node (one rank a GPU) either counter was 7-12% slower at 16 SMs (session 22,
+//    the stages aligned; session 13's 40% for the block's was mostly their misalignment).
 // DISPATCH_RGRAB and DISPATCH_GRAB override the choices (tuning). The row bases are block
 // 0's (meta), or with `base` the block's own (shared memory), its positions then made
 // rank-wide by `pre` as they are pushed.
