@@ -214,10 +214,13 @@ __device__ __forceinline__ tok_meta token_meta(const hep_kargs &a, const lview &
 }
 
 // The token's probabilities and scales at every destination in m.mask (row vi of the view).
+// HEP_NO_TOKEN_TAIL (a measurement build only: its probabilities and scales are not written,
+// so `hybridep bench` runs it with HEP_BENCH_UNVERIFIED=1): what these writes cost the push.
 __device__ __forceinline__ void token_tail(const hep_kargs &a, const lview &v, int vi,
                                            const tok_meta &m, float *const *s_prob,
                                            float *const *s_scale)
 {
+#ifndef HEP_NO_TOKEN_TAIL
     const int El = a.El, lane = threadIdx.x & 31;
     for (unsigned mm = m.mask; mm; mm &= mm - 1) {
         const int d = __ffs(mm) - 1;
@@ -238,6 +241,7 @@ __device__ __forceinline__ void token_tail(const hep_kargs &a, const lview &v, i
                            : v.scl[(size_t)vi * a.nscale + c];
         }
     }
+#endif
 }
 
 // One warp pushes token i of list L (row vi of the view): its row, probabilities and
