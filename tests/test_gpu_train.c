@@ -53,7 +53,7 @@
 
 typedef struct tcase {
     hep_config cfg;
-    int W, T, H, fp8, cap_mode; /* cap_mode: 0 none; 1 the capacity sequence; 2 the no-sync
+    int W, T, H, K, fp8, cap_mode; /* cap_mode: 0 none; 1 the capacity sequence; 2 the no-sync
                                    overflow sequence */
     int t[2][MAXW];
     int ids[2][MAXW][MAXT * KS];
@@ -109,7 +109,8 @@ static void make_case(tcase *c, int W, int T, int H, int fp8, unsigned seed)
     const int empty = W > 2 ? 2 * EL + 1 : EL - 1;
     memset(c, 0, sizeof(*c));
     c->W = W, c->T = T, c->H = H, c->fp8 = fp8;
-    c->cfg = test_config(H, T, EL, KS, fp8 ? HEP_DTYPE_FP8_E4M3 : HEP_DTYPE_BF16);
+    c->K = W * EL < KS ? W * EL : KS; /* a lone rank's group has EL experts */
+    c->cfg = test_config(H, T, EL, c->K, fp8 ? HEP_DTYPE_FP8_E4M3 : HEP_DTYPE_BF16);
     c->cfg.ranks_per_node = W;
     c->cfg.dispatch_sms = 4;
     c->cfg.combine_sms = 4;
@@ -117,16 +118,16 @@ static void make_case(tcase *c, int W, int T, int H, int fp8, unsigned seed)
         for (int r = 0; r < W; r++) {
             c->t[a][r] = a == 0 ? T - 3 * r : 3 + (int)(lcg(&seed) % (unsigned)(T - 3));
             for (int i = 0; i < T; i++)
-                for (int k = 0; k < KS; k++) {
+                for (int k = 0; k < c->K; k++) {
                     unsigned u = lcg(&seed);
                     int x = u % 7 == 0 ? -1 : (int)(u % (unsigned)(W * EL));
                     if (k > 0 && u % 5 == 0)
-                        x = c->ids[a][r][i * KS + k - 1];
-                    c->ids[a][r][i * KS + k] = x == empty ? -1 : x;
-                    c->w[a][r][i * KS + k] = (float)(1 + lcg(&seed) % 64) / 64.0f;
+                        x = c->ids[a][r][i * c->K + k - 1];
+                    c->ids[a][r][i * c->K + k] = x == empty ? -1 : x;
+                    c->w[a][r][i * c->K + k] = (float)(1 + lcg(&seed) % 64) / 64.0f;
                 }
         }
-    for (int k = 0; k < KS; k++)
+    for (int k = 0; W > 1 && k < c->K; k++) /* rank 0's first token at rank 1 only */
         c->ids[0][0][k] = k < EL ? EL + k : -1;
 }
 
@@ -137,8 +138,8 @@ static int need(const tcase *c, int a, int d)
     for (int s = 0; s < c->W; s++)
         for (int i = 0; i < c->t[a][s]; i++) {
             int hit = 0;
-            for (int k = 0; k < KS; k++)
-                hit |= c->ids[a][s][i * KS + k] / EL == d && c->ids[a][s][i * KS + k] >= 0;
+            for (int k = 0; k < c->K; k++)
+                hit |= c->ids[a][s][i * c->K + k] / EL == d && c->ids[a][s][i * c->K + k] >= 0;
             n += hit;
         }
     return n;
@@ -160,8 +161,8 @@ static void make_cap_case(tcase *c, int W, int T, int H, int fp8, unsigned seed)
     memcpy(c->ids[1], c->ids[0], sizeof(c->ids[0]));
     memcpy(c->w[1], c->w[0], sizeof(c->w[0]));
     memcpy(c->t[1], c->t[0], sizeof(c->t[0]));
-    for (int k = 0; k < KS; k++)
-        c->ids[1][0][c->t[0][0] * KS + k] = k == 0 ? c->cap_rank * EL : -1;
+    for (int k = 0; k < c->K; k++)
+        c->ids[1][0][c->t[0][0] * c->K + k] = k == 0 ? c->cap_rank * EL : -1;
     c->t[1][0]++;
 }
 
@@ -190,8 +191,8 @@ static void make_drop_case(tcase *c, int W, int T, int H, int fp8, int thin, uns
     int most = 0, fits;
     make_case(c, W, T, H, fp8, seed);
     for (int r = 0; r < W; r++)
-        for (int i = 0; thin && i < T * KS; i++)
-            if (c->ids[0][r][i] >= 0 && c->ids[0][r][i] < thin * EL && i / KS % 3)
+        for (int i = 0; thin && i < T * c->K; i++)
+            if (c->ids[0][r][i] >= 0 && c->ids[0][r][i] < thin * EL && i / c->K % 3)
                 c->ids[0][r][i] = -1;
     c->cap_mode = 2;
     for (int d = 0; d < W; d++)
@@ -220,8 +221,8 @@ static int need_em(const tcase *c, int a, int d, int pad)
         for (int s = 0; s < c->W; s++)
             for (int i = 0; i < c->t[a][s]; i++) {
                 int hit = 0;
-                for (int k = 0; k < KS; k++)
-                    hit |= c->ids[a][s][i * KS + k] == d * EL + e;
+                for (int k = 0; k < c->K; k++)
+                    hit |= c->ids[a][s][i * c->K + k] == d * EL + e;
                 n += hit;
             }
         rows += (n + pad - 1) / pad * pad;
@@ -358,7 +359,7 @@ static void settle(const rank_bufs *b)
 /* A rank's routing into dst as the case's index type (int32, or int64 widened). */
 static int put_ids(const tcase *c, const mem *m, void *dst, const int *ids)
 {
-    const size_t n = (size_t)c->T * KS;
+    const size_t n = (size_t)c->T * c->K;
     int64_t *w;
     int rc;
     if (!c->idx64)
@@ -438,13 +439,13 @@ static int setup_bufs(tcase *c, int r, const mem *m, hep_group *g, rank_bufs *b)
                 he[j * H + h] = ep_expert_value(r + 16 * s, (int)j, (int)h);
         b->tok[s] = m_alloc(m, T * rb);
         b->sc[s] = m_alloc(m, sizeof(float) * (T * ns + 1));
-        b->idx[s] = m_alloc(m, (c->idx64 ? sizeof(int64_t) : sizeof(int)) * T * KS);
-        b->w[s] = m_alloc(m, sizeof(float) * T * KS);
+        b->idx[s] = m_alloc(m, (c->idx64 ? sizeof(int64_t) : sizeof(int)) * T * c->K);
+        b->w[s] = m_alloc(m, sizeof(float) * T * c->K);
         b->eo[s] = m_alloc(m, maxr * H * 2);
         if (!b->tok[s] || !b->sc[s] || !b->idx[s] || !b->w[s] || !b->eo[s] ||
             m_put(m, b->tok[s], ht, T * rb) || m_put(m, b->sc[s], hs, sizeof(float) * T * ns) ||
             put_ids(c, m, b->idx[s], c->ids[s][r]) ||
-            m_put(m, b->w[s], c->w[s][r], sizeof(float) * T * KS) ||
+            m_put(m, b->w[s], c->w[s][r], sizeof(float) * T * c->K) ||
             m_put(m, b->eo[s], he, maxr * H * 2))
             return 1;
         free(ht), free(hs), free(he);
@@ -504,7 +505,7 @@ static hep_dispatch_args dargs(const tcase *c, int r, rank_bufs *b, int set, int
     a.scales = c->fp8 ? b->sc[tokset] : NULL;
     a.topk_idx = b->idx[set];
     a.index_type = c->idx64 ? HEP_INDEX_INT64 : HEP_INDEX_INT32;
-    a.topk = KS;
+    a.topk = c->K;
     a.topk_weights = b->w[set];
     a.stream = stream;
     a.flags = flags;
