@@ -1,24 +1,30 @@
 #!/usr/bin/env python3
 """Summarizes the BTRACE lines of a HEP_BLOCK_TRACE build's bench run (kernels/dispatch.cu:
-one line a block and call, "BTRACE call rank block entry push first_warp last_warp end",
-global timer ns). For each printed call from the third on (the first two warm up), the
-times from the call's first block entry over all ranks; then the median over the calls, in
-microseconds, of:
-  - each rank's push end (its last warp done), and the spread of those ends over the ranks
-    (the eight-rank phase ends with its last rank: a spread is time the others wait);
-  - each rank's push start (its first block past the layout step);
-  - the end barrier: the call's last block end after the latest push end.
+one line a block and call, "BTRACE call rank block entry push first_warp last_warp
+pre_arrive end", global timer ns). For each printed call from the third on (the first two
+warm up), the times from the call's first block entry over all ranks; then the median over
+the calls, in microseconds, of:
+  - each rank's push start (its first block past the layout step) and push end (its last
+    warp done), and the spread of those ends over the ranks (the eight-rank phase ends
+    with its last rank: a spread is time the others wait);
+  - each rank's last arrival (the latest end of its blocks other than block 0, which end
+    right after they arrive) and its block 0's end (once every node-mate's blocks arrived);
+  - the tail after the latest push end, in its parts: a block's own push end to its
+    arrivals (the counter's hand-back; block 0: its outputs too), the arrivals themselves
+    (a fence and one atomic a destination), the latest arrival and the last block's end.
 Reads the bench's output on stdin."""
 import statistics
 import sys
 from collections import defaultdict
 
+med = statistics.median
+
 
 def main():
-    calls = defaultdict(list)  # call -> [(rank, block, entry, push, w0, w1, end)]
+    calls = defaultdict(list)  # call -> [(rank, block, entry, push, w0, w1, pre, end)]
     for line in sys.stdin:
         f = line.split()
-        if len(f) != 9 or f[0] != "BTRACE":
+        if len(f) != 10 or f[0] != "BTRACE":
             continue
         v = [int(x) for x in f[1:]]
         calls[v[0]].append(tuple(v[1:]))
@@ -26,31 +32,53 @@ def main():
     if not keys:
         print("btrace: fewer than three calls printed BTRACE lines")
         return 1
-    rank_end = defaultdict(list)
-    rank_start = defaultdict(list)
-    spread, last_end, barrier = [], [], []
+    per = defaultdict(lambda: defaultdict(list))  # rank -> what -> [us per call]
+    tot = defaultdict(list)                       # what -> [us per call]
     for c in keys:
         rows = calls[c]
         t0 = min(r[2] for r in rows)
-        per_rank = defaultdict(list)
+        us = lambda t: (t - t0) / 1e3
+        ranks = defaultdict(list)
         for r in rows:
-            per_rank[r[0]].append(r)
+            ranks[r[0]].append(r)
         ends = {}
-        for rk, rr in per_rank.items():
-            ends[rk] = (max(r[5] for r in rr) - t0) / 1e3
-            rank_end[rk].append(ends[rk])
-            rank_start[rk].append((min(r[3] for r in rr) - t0) / 1e3)
-        spread.append(max(ends.values()) - min(ends.values()))
-        last_end.append(max(ends.values()))
-        barrier.append((max(r[6] for r in rows) - t0) / 1e3 - max(ends.values()))
-    med = statistics.median
+        for rk, rr in ranks.items():
+            ends[rk] = us(max(r[5] for r in rr))
+            per[rk]["start"].append(us(min(r[3] for r in rr)))
+            per[rk]["end"].append(ends[rk])
+            others = [r for r in rr if r[1] != 0]
+            if others:
+                per[rk]["arrived"].append(us(max(r[7] for r in others)))
+            for r in rr:
+                if r[1] == 0:
+                    per[rk]["b0_out"].append((r[6] - r[5]) / 1e3)
+                    per[rk]["b0_end"].append(us(r[7]))
+        latest = max(ends.values())
+        tot["spread"].append(latest - min(ends.values()))
+        tot["latest"].append(latest)
+        tot["tail"].append(us(max(r[7] for r in rows)) - latest)
+        nz = [r for r in rows if r[1] != 0]
+        if nz:
+            tot["to_arrive"].append(med((r[6] - r[5]) / 1e3 for r in nz))
+            tot["arrive"].append(med((r[7] - r[6]) / 1e3 for r in nz))
+            tot["arrive_max"].append(max((r[7] - r[6]) / 1e3 for r in nz))
+            tot["last_arrival"].append(us(max(r[7] for r in nz)) - latest)
     print("btrace: %d calls, %d ranks, medians in us from the call's first block entry"
-          % (len(keys), len(rank_end)))
-    print("%-6s %12s %12s" % ("rank", "push start", "push end"))
-    for rk in sorted(rank_end):
-        print("%-6d %12.1f %12.1f" % (rk, med(rank_start[rk]), med(rank_end[rk])))
+          % (len(keys), len(per)))
+    print("%-6s %12s %12s %14s %14s %14s" % ("rank", "push start", "push end", "last arrival",
+                                             "block 0 out", "block 0 end"))
+    m = lambda rk, k: med(per[rk][k]) if per[rk][k] else float("nan")
+    for rk in sorted(per):
+        print("%-6d %12.1f %12.1f %14.1f %14.1f %14.1f" % (
+            rk, m(rk, "start"), m(rk, "end"), m(rk, "arrived"), m(rk, "b0_out"), m(rk, "b0_end")))
     print("push ends' spread over the ranks %.1f us; latest push end %.1f us; "
-          "then to the last block's end %.1f us" % (med(spread), med(last_end), med(barrier)))
+          "then to the last block's end %.1f us" % (med(tot["spread"]), med(tot["latest"]),
+                                                    med(tot["tail"])))
+    if tot["arrive"]:
+        print("blocks other than 0: own push end to arrivals %.1f us, the arrivals %.1f us "
+              "(slowest %.1f); latest arrival %.1f us after the latest push end" % (
+                  med(tot["to_arrive"]), med(tot["arrive"]), med(tot["arrive_max"]),
+                  med(tot["last_arrival"])))
     return 0
 
 

@@ -782,7 +782,8 @@ __device__ __forceinline__ void ltrace_print(const hep_kargs &a, bool self)
 
 // HEP_BLOCK_TRACE (a measurement build, one node, rank-major): every block's thread 0
 // prints the global timer at its entry, at the start of its push, when its first and last
-// warp finished pushing, and at its end, one line a block and call.
+// warp finished pushing, before its arrivals (block 0: after the outputs it writes) and at
+// its end (block 0: once every block of every node-mate arrived), one line a block and call.
 #ifdef HEP_BLOCK_TRACE
 #define BTRACE(k) (threadIdx.x == 0 ? (void)(bt[k] = now_ns()) : (void)0)
 #define BTRACE_WARP()                                                                      \
@@ -938,13 +939,14 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
             layout_finish(a, e, s);
             layout_report(a, s, t_start, t_layout);
         }
+        BTRACE(2);
         dispatch_end(a, e, true, s_solo);
 #ifdef HEP_BLOCK_TRACE
         BTRACE(3);
         __syncthreads();
         if (tid == 0)
-            printf("BTRACE %llu %d %d %llu %llu %llu %llu %llu\n", e, a.rank0 + a.local, b, bt[0],
-                   bt[1], bt_w[0], bt_w[1], bt[3]);
+            printf("BTRACE %llu %d %d %llu %llu %llu %llu %llu %llu\n", e, a.rank0 + a.local, b,
+                   bt[0], bt[1], bt_w[0], bt_w[1], bt[2], bt[3]);
 #endif
         return;
     }
