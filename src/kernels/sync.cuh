@@ -105,6 +105,14 @@ __device__ __forceinline__ void red_add_relaxed_peers(const hep_kargs &a, unsign
     else
         asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
+__device__ __forceinline__ void st_relaxed_peers(const hep_kargs &a, unsigned long long *p,
+                                                 unsigned long long v)
+{
+    if (a.peers_sys)
+        asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+    else
+        asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 __device__ __forceinline__ void fence_acquire(bool sys)
 {
     if (sys)
