@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Summarizes the BTRACE lines of a HEP_BLOCK_TRACE build's bench run (kernels/dispatch.cu:
 one line a block and call, "BTRACE call rank block entry push first_warp last_warp
-pre_arrive end", global timer ns). For each printed call from the third on (the first two
+pre_arrive end smid tokens", global timer ns; older builds print neither smid nor tokens).
+For each printed call from the third on (the first two
 warm up), the times from the call's first block entry over all ranks; then the median over
 the calls, in microseconds, of:
   - each rank's push start (its first block past the layout step) and push end (its last
@@ -11,7 +12,11 @@ the calls, in microseconds, of:
     right after they arrive) and its block 0's end (once every node-mate's blocks arrived);
   - the tail after the latest push end, in its parts: a block's own push end to its
     arrivals (the counter's hand-back; block 0: its outputs too), the arrivals themselves
-    (a fence and one atomic a destination), the latest arrival and the last block's end.
+    (a fence and one atomic a destination), the latest arrival and the last block's end;
+  - where the lines carry them, the tokens a block's warps took from its rank's counter
+    (their share of the rank's rows: a measure of the block's push rate, as a rank's warps
+    end together) against the SM it ran on: each rank's SMs, the tokens of blocks whose
+    TPC mate (smid ^ 1) ran a block of the call too and of blocks alone on their TPC.
 Reads the bench's output on stdin."""
 import statistics
 import sys
@@ -22,12 +27,15 @@ med = statistics.median
 
 def main():
     calls = defaultdict(list)  # call -> [(rank, block, entry, push, w0, w1, pre, end)]
+    sm = defaultdict(list)     # call -> [(rank, block, smid, tokens)]
     for line in sys.stdin:
         f = line.split()
-        if len(f) != 10 or f[0] != "BTRACE":
+        if len(f) not in (10, 12) or f[0] != "BTRACE":
             continue
         v = [int(x) for x in f[1:]]
-        calls[v[0]].append(tuple(v[1:]))
+        calls[v[0]].append(tuple(v[1:10]))
+        if len(v) == 11:
+            sm[v[0]].append((v[1], v[2], v[9], v[10]))
     keys = sorted(calls)[2:]
     if not keys:
         print("btrace: fewer than three calls printed BTRACE lines")
@@ -79,7 +87,33 @@ def main():
               "(slowest %.1f); latest arrival %.1f us after the latest push end" % (
                   med(tot["to_arrive"]), med(tot["arrive"]), med(tot["arrive_max"]),
                   med(tot["last_arrival"])))
+    sm_report([sm[c] for c in keys if sm[c]])
     return 0
+
+
+def sm_report(calls):
+    """The blocks' token shares against their SMs (see the module's text)."""
+    if not calls:
+        return
+    first = calls[0]
+    print("SMs of each rank's blocks (first call summarized):")
+    for rk in sorted({r[0] for r in first}):
+        mine = sorted((r[1], r[2]) for r in first if r[0] == rk)
+        print("  rank %d: %s" % (rk, " ".join(str(s) for _, s in mine)))
+    paired, alone, by_rank = [], [], defaultdict(list)
+    for rows in calls:
+        busy = {r[2] for r in rows}
+        for rk, _, s, tok in rows:
+            (paired if s ^ 1 in busy else alone).append(tok)
+            by_rank[rk].append(tok)
+    print("tokens a block took: median %s; by rank (median, min-max): %s" % (
+        med(paired + alone), "; ".join("%d: %g (%d-%d)" % (rk, med(v), min(v), max(v))
+                                       for rk, v in sorted(by_rank.items()))))
+    for what, v in (("whose TPC mate ran a block", paired), ("alone on their TPC", alone)):
+        if v:
+            print("  blocks %s: %d, tokens median %g (%d-%d)" % (
+                what, len(v), med(v), min(v), max(v)))
+
 
 
 if __name__ == "__main__":

@@ -371,6 +371,35 @@ __device__ void push_range_bulk(const hep_kargs &a, const lview &v, int L, int w
 #define DISPATCH_GRAB 1
 #endif
 #endif
+// HEP_BLOCK_TRACE (a measurement build, one node, rank-major): every block's thread 0
+// prints the global timer at its entry, at the start of its push, when its first and last
+// warp finished pushing, before its arrivals (block 0: after the outputs it writes) and at
+// its end (block 0: once every block of every node-mate arrived), one line a block and call,
+// with the SM it ran on and how many tokens its warps took from the rank's counter.
+#ifdef HEP_BLOCK_TRACE
+__shared__ unsigned bt_tokens;
+__device__ __forceinline__ unsigned smid()
+{
+    unsigned r;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(r));
+    return r;
+}
+#define BTRACE_TOKEN() ((threadIdx.x & 31) == 0 ? (void)atomicAdd(&bt_tokens, 1u) : (void)0)
+#define BTRACE(k) (threadIdx.x == 0 ? (void)(bt[k] = now_ns()) : (void)0)
+#define BTRACE_WARP()                                                                      \
+    do {                                                                                   \
+        if ((threadIdx.x & 31) == 0) {                                                     \
+            const unsigned long long t_ = now_ns();                                        \
+            atomicMin(&bt_w[0], t_);                                                       \
+            atomicMax(&bt_w[1], t_);                                                       \
+        }                                                                                  \
+    } while (0)
+#else
+#define BTRACE_TOKEN() ((void)0)
+#define BTRACE(k) ((void)0)
+#define BTRACE_WARP() ((void)0)
+#endif
+
 template <bool GRAB = DISPATCH_GRAB, bool RANK = false>
 __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const *s_x,
                           float *const *s_prob, float *const *s_scale, int *grab,
@@ -389,6 +418,7 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
         for (int i = blockIdx.x * nw + (threadIdx.x >> 5); i < v.t;) {
             push_token(a, v, L, i, i, mybase, s_x, s_prob, s_scale, drop_cnt,
                        RANK ? NULL : pre_all + (size_t)(i / chunk) * a.R);
+            BTRACE_TOKEN();
             unsigned k = 0;
             if (lane == 0)
                 k = atomicAdd(a.work + HEP_WORK_DISPATCH, 1u);
@@ -796,24 +826,6 @@ __device__ __forceinline__ void ltrace_print(const hep_kargs &a, bool self)
 #endif
 }
 
-// HEP_BLOCK_TRACE (a measurement build, one node, rank-major): every block's thread 0
-// prints the global timer at its entry, at the start of its push, when its first and last
-// warp finished pushing, before its arrivals (block 0: after the outputs it writes) and at
-// its end (block 0: once every block of every node-mate arrived), one line a block and call.
-#ifdef HEP_BLOCK_TRACE
-#define BTRACE(k) (threadIdx.x == 0 ? (void)(bt[k] = now_ns()) : (void)0)
-#define BTRACE_WARP()                                                                      \
-    do {                                                                                   \
-        if ((threadIdx.x & 31) == 0) {                                                     \
-            const unsigned long long t_ = now_ns();                                        \
-            atomicMin(&bt_w[0], t_);                                                       \
-            atomicMax(&bt_w[1], t_);                                                       \
-        }                                                                                  \
-    } while (0)
-#else
-#define BTRACE(k) ((void)0)
-#define BTRACE_WARP() ((void)0)
-#endif
 
 // The end of a rank-major dispatch: every block arrives at every destination, block 0
 // recounts what was kept when rows were dropped, and (trace builds) prints the layout's
@@ -862,7 +874,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
     unsigned long long bt[4] = {0, 0, 0, 0};
     __shared__ unsigned long long bt_w[2];
     if (tid == 0)
-        bt_w[0] = ~0ull, bt_w[1] = 0;
+        bt_w[0] = ~0ull, bt_w[1] = 0, bt_tokens = 0;
 #endif
     BTRACE(0);
     const unsigned long long e = *a.epoch + 1;
@@ -961,8 +973,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         BTRACE(3);
         __syncthreads();
         if (tid == 0)
-            printf("BTRACE %llu %d %d %llu %llu %llu %llu %llu %llu\n", e, a.rank0 + a.local, b,
-                   bt[0], bt[1], bt_w[0], bt_w[1], bt[2], bt[3]);
+            printf("BTRACE %llu %d %d %llu %llu %llu %llu %llu %llu %u %u\n", e, a.rank0 + a.local,
+                   b, bt[0], bt[1], bt_w[0], bt_w[1], bt[2], bt[3], smid(), bt_tokens);
 #endif
         return;
     }
