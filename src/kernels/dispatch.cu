@@ -463,14 +463,6 @@ __device__ void push_list(const hep_kargs &a, const lview &v, int L, char *const
 // `solo_base + S`, solo_base being the arrivals it read at the kernel's start (before the
 // layout step, which no block passes before block 0 published its counts, so before any
 // block of this call could arrive), as earlier calls may not have arrived.
-// ARRIVE_ONE_FENCE=1 (not yet measured, so not the default): lane d of warp 0 arrives at
-// destination d with one release fence for the warp and a relaxed add each, where thread 0
-// now issues a fence and then R release adds, a fence each. The block trace (bench/NOTES.md,
-// session 24) put the arrivals at 28-40 us a block at eight ranks x 16 SMs (slowest 109-135)
-// and one fence elsewhere at 3-4 us.
-#ifndef ARRIVE_ONE_FENCE
-#define ARRIVE_ONE_FENCE 0
-#endif
 __device__ __forceinline__ void arrive_all(const hep_kargs &a, unsigned long long e,
                                            unsigned long long solo_base = 0)
 {
@@ -478,20 +470,12 @@ __device__ __forceinline__ void arrive_all(const hep_kargs &a, unsigned long lon
     const bool solo = R == 1 && a.N == 1;
     if (solo && !a.drop)
         return;
-#if ARRIVE_ONE_FENCE
-    __syncthreads(); /* the block's rows, observed by the lanes that arrive */
-    if (tid < R) {
-        fence_release_peers(a);
-        red_add_relaxed_peers(a, a.flags[tid] + HEP_FLAG_DISPATCH_ARRIVE + a.local, 1ull);
-    }
-#else
     __syncthreads();
     if (tid == 0) {
         fence_peers(a);
         for (int d = 0; d < R; d++)
             red_add_release_peers(a, a.flags[d] + HEP_FLAG_DISPATCH_ARRIVE + a.local, 1ull);
     }
-#endif
     if (blockIdx.x == 0 && tid < R)
         wait_mate(a, a.flags[a.local] + HEP_FLAG_DISPATCH_ARRIVE + tid,
                   solo ? solo_base + gridDim.x : e * (unsigned long long)gridDim.x,

@@ -283,19 +283,16 @@ __device__ __forceinline__ void rebase_own(const hep_kargs &a, const layout_smem
 
 // One node, rank-major (the blocks' own layout): this block arrives at the rank's grid
 // counter after its scan added its counts to the published ones; the last block to arrive
-// (every block's counts are in) publishes COUNTS_READY = e. No block waits here.
-// PUBLISH_ONE_FENCE=1 (not yet measured, so not the default): release fences (acq_rel)
-// instead of sequentially consistent ones, and the last block's acquire of the other
-// blocks' counts and release of COUNTS_READY in one fence (then a relaxed store), where
-// now it is a fence.sc and a st.release: two fences on the layout step's path, not three.
-#ifndef PUBLISH_ONE_FENCE
-#define PUBLISH_ONE_FENCE 0
-#endif
+// (every block's counts are in) publishes COUNTS_READY = e. No block waits here. Two fences
+// on the layout step's path: this block's release before its arrival, and the last block's
+// one acq_rel fence that acquires the other blocks' counts (their adds, read through the
+// counter) and releases COUNTS_READY by the relaxed store after it (a fence and a store in
+// one thread are a release pattern). A fence.sc and a st.release there, three fences on the
+// path, made the step 0.5 us longer (bench/NOTES.md, session 25).
 __device__ __forceinline__ void arrive_publish(const hep_kargs &a, unsigned long long e)
 {
     __syncthreads();
     if (threadIdx.x == 0) {
-#if PUBLISH_ONE_FENCE
         asm volatile("fence.acq_rel.gpu;" ::: "memory"); /* this block's counts first */
         const unsigned long long n = atomicAdd(a.grid_arrive, 1ull) + 1;
         if (n == e * gridDim.x) { /* the last: every block read the epoch and arrived */
@@ -303,15 +300,6 @@ __device__ __forceinline__ void arrive_publish(const hep_kargs &a, unsigned long
             fence_release_peers(a); /* acquires their counts (their adds, read by ours) */
             st_relaxed_peers(a, a.flags[a.local] + HEP_FLAG_COUNTS_READY, e);
         }
-#else
-        __threadfence(); /* this block's counts before its arrival */
-        const unsigned long long n = atomicAdd(a.grid_arrive, 1ull) + 1;
-        if (n == e * gridDim.x) { /* the last: every block read the epoch and arrived */
-            *a.epoch = e;
-            fence_peers(a);
-            st_release_peers(a, a.flags[a.local] + HEP_FLAG_COUNTS_READY, e);
-        }
-#endif
     }
 }
 

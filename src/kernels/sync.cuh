@@ -87,23 +87,15 @@ __device__ __forceinline__ void red_add_release_peers(const hep_kargs &a, unsign
     else
         red_add_release_gpu(p, v);
 }
-// A relaxed add after a release fence of the same thread is a release pattern (PTX memory
-// model): one fence for several destinations' words, where a red.release each is a fence
-// each (dispatch.cu's ARRIVE_ONE_FENCE).
+// A relaxed store after a release fence of the same thread is a release pattern (PTX
+// memory model): one fence that both acquires what this thread read and releases its
+// writes, where a fence.sc and a st.release are a fence each (layout.cuh's arrive_publish).
 __device__ __forceinline__ void fence_release_peers(const hep_kargs &a)
 {
     if (a.peers_sys)
         asm volatile("fence.acq_rel.sys;" ::: "memory");
     else
         asm volatile("fence.acq_rel.gpu;" ::: "memory");
-}
-__device__ __forceinline__ void red_add_relaxed_peers(const hep_kargs &a, unsigned long long *p,
-                                                      unsigned long long v)
-{
-    if (a.peers_sys)
-        asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-    else
-        asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 __device__ __forceinline__ void st_relaxed_peers(const hep_kargs &a, unsigned long long *p,
                                                  unsigned long long v)
