@@ -16,6 +16,16 @@
 //   copy:   a linear copy of the phase's bytes (half read, half written), the bench's
 //           same-SM ceiling
 //   plain1k, bulk1k: plain and bulk with 1024 threads a block, DU / 2 vectors a lane
+//   rgrab:  plain with each source's tokens taken by its blocks' warps from one counter of
+//           the source's (the library's rank counter), one kernel
+//   ranks:  rgrab as the library's virtual ranks run it: one kernel a source, each on a
+//           stream of its own with blocks / sources blocks, launched together; the block
+//           scheduler then places each source's blocks where it places a kernel's, not
+//           spread over the GPU as one kernel's
+//   copyr:  copy split the same way: one kernel a source on its own stream, a fixed equal
+//           share of the bytes each (the ceiling of ranks whose work is fixed a rank)
+//   The split modes also print each source's kernel end (median over the iterations, from
+//   the launch) as the spread between the first and last source to end.
 //   pipe:   plain in passes of DU / 2 vectors a lane, the next pass's loads in flight while
 //           this one is stored (the same registers); pipe20: passes of 10 vectors a lane
 //   tma...: no registers on the rows' path. Each warp streams its tokens' rows through a
@@ -96,6 +106,9 @@ enum {
     M_BULK1K,
     M_PIPE,
     M_PIPE20,
+    M_RGRAB,
+    M_RANKS,
+    M_COPYR,
 #define TMA_MODE(name, nw, ns, ch, lag) M_##name,
     TMA_CONFIGS(TMA_MODE)
 #undef TMA_MODE
@@ -109,6 +122,7 @@ enum {
 };
 static const char *mode_name[M_COUNT] = {"plain", "stcs",    "bulk",   "write", "first",
                                          "copy",  "plain1k", "bulk1k", "pipe",  "pipe20",
+                                         "rgrab", "ranks",   "copyr",
 #define TMA_MODE(name, nw, ns, ch, lag) #name,
                                          TMA_CONFIGS(TMA_MODE)
 #undef TMA_MODE
@@ -118,6 +132,7 @@ static const char *mode_name[M_COUNT] = {"plain", "stcs",    "bulk",   "write", 
 #undef RTMA_MODE
 };
 static bool is_reduce(int m) { return m >= M_RPLAIN; }
+static bool is_split(int m) { return m == M_RANKS || m == M_COPYR; }
 
 struct args {
     const uint4 *src; /* [R][T] rows */
@@ -125,6 +140,8 @@ struct args {
     const int *pos;   /* [R][T][R]: the row at destination d, -1 when not sent */
     uint4 *out;       /* [R][T] rows: the reduce modes' sums */
     int T, per_src;   /* tokens a source, blocks a source */
+    int r0;           /* the first source of this kernel (split modes: its only one) */
+    int *rctr;        /* [R] each source's token counter (rgrab, ranks), zero at launch */
     int nvec;         /* 16-byte vectors a row */
 };
 
@@ -138,7 +155,7 @@ __device__ __forceinline__ share block_share(const args &a, int *grab, char **s_
 {
     share sh;
     const int j = blockIdx.x % a.per_src, chunk = (a.T + a.per_src - 1) / a.per_src;
-    sh.r = blockIdx.x / a.per_src;
+    sh.r = a.r0 + blockIdx.x / a.per_src;
     sh.t0 = min(a.T, j * chunk), sh.t1 = min(a.T, sh.t0 + chunk);
     if (threadIdx.x == 0)
         *grab = 0;
@@ -162,7 +179,16 @@ __global__ void __launch_bounds__(NT, 1) k_scatter(args a)
     const int passes = (a.nvec + 32 * U - 1) / (32 * U);
     const int per_pass = ((a.nvec + passes - 1) / passes + 31) & ~31;
     uint4 *stage = stage_all + warp * 32 * U;
-    for (int i = t0 + warp; i < t1;) {
+    constexpr bool RC = MODE == M_RGRAB || MODE == M_RANKS; /* the source's counter */
+    const int tend = RC ? a.T : t1;
+    int i0 = t0 + warp;
+    if (RC) {
+        int k = 0;
+        if (lane == 0)
+            k = atomicAdd(a.rctr + r, 1);
+        i0 = __shfl_sync(~0u, k, 0);
+    }
+    for (int i = i0; i < tend;) {
         const size_t tok = (size_t)r * a.T + i;
         const int p = lane < R ? a.pos[tok * R + lane] : -1;
         unsigned mask = __ballot_sync(~0u, p >= 0);
@@ -254,8 +280,8 @@ __global__ void __launch_bounds__(NT, 1) k_scatter(args a)
         }
         int k = 0;
         if (lane == 0)
-            k = atomicAdd(&grab, 1);
-        i = t0 + nw + __shfl_sync(~0u, k, 0);
+            k = RC ? atomicAdd(a.rctr + r, 1) : atomicAdd(&grab, 1);
+        i = RC ? __shfl_sync(~0u, k, 0) : t0 + nw + __shfl_sync(~0u, k, 0);
     }
     if (MODE == M_BULK || MODE == M_BULK1K)
         asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -791,7 +817,8 @@ int main(int argc, char **argv)
     uint4 *src = NULL, *ca = NULL, *cb = NULL;
     int *dpos = NULL;
     args a;
-    a.T = T, a.nvec = (int)(rb / 16);
+    a.T = T, a.nvec = (int)(rb / 16), a.r0 = 0;
+    CK(cudaMalloc(&a.rctr, R * sizeof(int)));
     CK(cudaMalloc(&src, rows_in * rb));
     CK(cudaMalloc(&dpos, pos.size() * sizeof(int)));
     CK(cudaMemcpy(dpos, pos.data(), pos.size() * sizeof(int), cudaMemcpyHostToDevice));
@@ -829,9 +856,14 @@ int main(int argc, char **argv)
 #define TMA_MODE(name, nw, ns, ch, lag) CK((tma_setup<nw, ns, ch, lag>()));
     TMA_CONFIGS(TMA_MODE)
 #undef TMA_MODE
-    cudaEvent_t e0, e1;
+    cudaEvent_t e0, e1, ends[R];
+    cudaStream_t st[R];
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
+    for (int r = 0; r < R; r++) {
+        CK(cudaEventCreate(&ends[r]));
+        CK(cudaStreamCreateWithFlags(&st[r], cudaStreamNonBlocking));
+    }
     printf("scatter: %d sources x %d rows of %zu B, E %d, K %d: %.2f destinations a row, "
            "%.3f GB (rows read once + written), %d threads a block, %d vectors a lane\n",
            nsrc, T, rb, E, K, (double)sent / firsts, scatter_bytes / 1e9, THREADS, DU);
@@ -847,6 +879,7 @@ int main(int argc, char **argv)
             order.insert(order.begin(), M_COPY);
         for (int m : order) {
             std::vector<float> t(iters);
+            std::vector<std::vector<float>> tend(nsrc, std::vector<float>(iters));
             for (int d = 0; d < R && !is_reduce(m); d++) /* the check sees this mode's rows */
                 CK(cudaMemset(a.dst[d], 0, std::max<size_t>(cnt[d], 1) * rb));
             if (is_reduce(m)) {
@@ -859,6 +892,34 @@ int main(int argc, char **argv)
                 CK(cudaMemset(a.out, 0, rows_in * rb));
             }
             for (int it = -2; it < iters; it++) {
+                if (is_split(m)) { /* st[0] forks to every source's stream and joins them */
+                    CK(cudaMemsetAsync(a.rctr, 0, R * sizeof(int), st[0]));
+                    CK(cudaEventRecord(e0, st[0]));
+                    for (int r = 0; r < nsrc; r++) {
+                        args ar = a;
+                        ar.r0 = r;
+                        CK(cudaStreamWaitEvent(st[r], e0, 0));
+                        if (m == M_RANKS)
+                            k_scatter<M_RANKS><<<a.per_src, THREADS, 0, st[r]>>>(ar);
+                        else {
+                            const size_t v0 = copy_vec * r / nsrc, v1 = copy_vec * (r + 1) / nsrc;
+                            k_copy<<<a.per_src, THREADS, 0, st[r]>>>(ca + v0, cb + v0, v1 - v0);
+                        }
+                        CK(cudaGetLastError());
+                        CK(cudaEventRecord(ends[r], st[r]));
+                        CK(cudaStreamWaitEvent(st[0], ends[r], 0));
+                    }
+                    CK(cudaEventRecord(e1, st[0]));
+                    CK(cudaEventSynchronize(e1));
+                    if (it >= 0) {
+                        CK(cudaEventElapsedTime(&t[it], e0, e1));
+                        for (int r = 0; r < nsrc; r++)
+                            CK(cudaEventElapsedTime(&tend[r][it], e0, ends[r]));
+                    }
+                    continue;
+                }
+                if (m == M_RGRAB)
+                    CK(cudaMemset(a.rctr, 0, R * sizeof(int)));
                 if (it >= 0)
                     CK(cudaEventRecord(e0));
                 switch (m) {
@@ -888,6 +949,9 @@ int main(int argc, char **argv)
                     break;
                 case M_PIPE20:
                     k_scatter<M_PIPE20, THREADS, 20><<<nb, THREADS>>>(a);
+                    break;
+                case M_RGRAB:
+                    k_scatter<M_RGRAB><<<nb, THREADS>>>(a);
                     break;
 #define TMA_MODE(name, nw, ns, ch, lag)                                                    \
     case M_##name:                                                                         \
@@ -931,14 +995,24 @@ int main(int argc, char **argv)
             std::sort(t.begin(), t.end());
             const double ms = t[iters / 2];
             const double bytes = m == M_FIRST ? first_bytes : scatter_bytes;
+            char spread[64] = "";
+            if (is_split(m)) {
+                std::vector<float> e(nsrc);
+                for (int r = 0; r < nsrc; r++) {
+                    std::sort(tend[r].begin(), tend[r].end());
+                    e[r] = tend[r][iters / 2];
+                }
+                std::sort(e.begin(), e.end());
+                snprintf(spread, sizeof spread, "  sources end %.3f-%.3f ms", e[0], e[nsrc - 1]);
+            }
             if (m == M_COPY)
                 copy_ms = ms;
             /* the same-SM copy moves the scatter's bytes: the ratio is of times, for
              * first of rates */
             const double vs =
                 m == M_FIRST ? (bytes / ms) / (scatter_bytes / copy_ms) : copy_ms / ms;
-            printf("%-6s %6d %10.3f %8.0f %9.1f%%\n", mode_name[m], nb, ms, bytes / ms / 1e6,
-                   100.0 * vs);
+            printf("%-6s %6d %10.3f %8.0f %9.1f%%%s\n", mode_name[m], nb, ms, bytes / ms / 1e6,
+                   100.0 * vs, spread);
             if (is_reduce(m)) { /* every row the sum of its copies: count x the source */
                 std::vector<uint16_t> row(rb / 2);
                 uint64_t s = 7;
@@ -963,7 +1037,8 @@ int main(int argc, char **argv)
                         }
                     }
                 }
-            } else if (m != M_WRITE && m != M_FIRST && m != M_COPY) { /* check rows at random */
+            } else if (m != M_WRITE && m != M_FIRST && m != M_COPY && m != M_COPYR) {
+                /* check rows at random */
                 std::vector<uint32_t> row(rb / 4);
                 uint64_t s = 7;
                 for (int c = 0; c < 64; c++) {
