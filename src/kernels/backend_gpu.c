@@ -74,11 +74,21 @@ static void use_ring(hep_backend_ctx *g, int phase)
 
 /* After the group layer checked the node's shape against the kernels' limits: load the
  * kernels, then the launch arguments (node pointers filled once). */
-/* How the dispatch kernel writes rows. Bulk stores (dispatch_bulk.cu: a row pass staged in
- * shared memory, one cp.async.bulk a destination) free the warps' issue slots for loads;
- * they were faster with one rank per GPU and no faster where eight ranks share one GPU's
- * HBM (bench/NOTES.md, session 6). So HEP_DISPATCH_STORES=auto (the default) takes them
- * where no node-mate shares this rank's GPU and their staging fits the shared memory. */
+/* How the dispatch kernel writes rows. Bulk stores (dispatch_bulk.cu: the own tokens' rows
+ * streamed through each warp's ring of shared-memory stages, fixed shares a warp) free the
+ * warps' issue slots for loads: faster with one rank per GPU while each SM's issue rate
+ * bounds the push, no faster where eight ranks share one GPU's HBM (bench/NOTES.md, session
+ * 6). Plain stores take the rank's tokens from one counter, which evens out the SMs'
+ * unequal write rates: from 48 SMs on, where the HBM is the bound (a copy saturates it near
+ * 40), they are 4-9% faster than the bulk ring at T = 4096 and 16384 when each warp has at
+ * least 2.5 tokens to share, and 3-7% slower below that (session 25, H100, a rank alone on
+ * one node: not measured with node-mates on other GPUs or across nodes). So
+ * HEP_DISPATCH_STORES=auto (the default) takes bulk stores where no node-mate shares this
+ * rank's GPU and their staging fits the shared memory, except for a rank alone on one node
+ * whose kernel has 48 SMs or more and whose max_tokens gives each warp 2.5 tokens or more. */
+#define STORES_PLAIN_SMS 48    /* plain stores' rank counter from this many SMs on ... */
+#define STORES_WARPS_A_SM 16   /* (dispatch.cu's DISPATCH_THREADS / 32) */
+#define STORES_TOKENS_X2 5     /* ... with 5/2 tokens a warp or more */
 static int choose_stores(hep_backend_ctx *g)
 {
     const int mode = hep_env_get()->dispatch_stores;
@@ -90,13 +100,21 @@ static int choose_stores(hep_backend_ctx *g)
                         "shared memory for %d ranks per node x %d experts per rank, more than "
                         "200 KiB (HEP_DISPATCH_STORES=auto or plain use the plain kernel)",
                         smem, g->R, g->cfg->experts_per_rank);
-    g->dispatch_bulk = mode == HEP_STORES_BULK || (mode == HEP_STORES_AUTO && alone && fits);
+    const int sms = g->cfg->dispatch_sms,
+              counter = g->R == 1 && g->N == 1 && sms >= STORES_PLAIN_SMS &&
+                        2LL * g->cfg->max_tokens >=
+                            (long long)STORES_TOKENS_X2 * STORES_WARPS_A_SM * sms;
+    g->dispatch_bulk =
+        mode == HEP_STORES_BULK || (mode == HEP_STORES_AUTO && alone && fits && !counter);
     hep_log(HEP_LOG_DEBUG, "rank %d: dispatch stores: %s (HEP_DISPATCH_STORES=%s%s)", g->rank,
             g->dispatch_bulk ? "bulk" : "plain",
             mode == HEP_STORES_AUTO ? "auto" : mode == HEP_STORES_BULK ? "bulk" : "plain",
             mode != HEP_STORES_AUTO ? ""
-            : alone                 ? (fits ? ", no node-mate on this GPU" : ", staging too large")
-                                    : ", node-mates share this GPU");
+            : !alone                ? ", node-mates share this GPU"
+            : !fits                 ? ", staging too large"
+            : counter               ? ", a rank alone; the rank's counter: 48 SMs or more, 2.5 "
+                                      "tokens a warp or more"
+                                    : ", no node-mate on this GPU");
     return HEP_OK;
 }
 
