@@ -344,6 +344,9 @@ static hep_config gcfg(int H, int T, int El, int K, hep_dtype dt, int R)
     return c;
 }
 
+/* gpu_case's SMs a rank's kernel when nonzero (else its own rule: at most 16). */
+static int g_case_sms;
+
 /* N nodes x R ranks on the one GPU (N > 1: over the loopback NIC, with the registrations
  * HEP_GPU_MR_MODE asks for), against the host backend and the oracle; chunk: the
  * inter-node rings' config.chunk_tokens (HEP_CHUNK_DEFAULT: the backend's). */
@@ -361,6 +364,8 @@ static void gpu_case(int N, int R, hep_dtype dt, int skew, int index64, int zero
     } else {
         c.cfg.dispatch_sms = c.cfg.combine_sms = 128 / (N * R) > 16 ? 16 : 128 / (N * R);
     }
+    if (g_case_sms)
+        c.cfg.dispatch_sms = c.cfg.combine_sms = g_case_sms;
     c.world = N * R;
     c.K = 8;
     c.index64 = index64;
@@ -371,8 +376,8 @@ static void gpu_case(int N, int R, hep_dtype dt, int skew, int index64, int zero
     c.t_fixed = tmode == 1 ? T : 0;
     ep_case_random(&c, seed, skew);
     snprintf(label, sizeof(label),
-             "%d node%s x %d ranks %s %s %s %s t=%s H=%d T=%d chunk=%d seed=%u", N,
-             N > 1 ? "s" : "", R, dt == HEP_DTYPE_FP8_E4M3 ? "fp8" : "bf16",
+             "%d node%s x %d ranks x %d SMs %s %s %s %s t=%s H=%d T=%d chunk=%d seed=%u", N,
+             N > 1 ? "s" : "", R, c.cfg.dispatch_sms, dt == HEP_DTYPE_FP8_E4M3 ? "fp8" : "bf16",
              skew == EP_ROUTE_NODES ? "node-mixed" : skew ? "skewed" : "uniform",
              index64 ? "int64" : "int32", zero_copy ? "zero-copy" : "copy",
              tmode < 0 ? "random" : tmode ? "T" : "0", H, T, chunk, seed);
@@ -639,6 +644,39 @@ static void gpu_bulk_dispatch_kernel_matches_host_backend_and_names_a_missing_ra
     one_case(4, HEP_DTYPE_FP8_E4M3, 1, 1, 1, 0, seed + 2, 2048, 64);  /* t = 0 */
     one_case(8, HEP_DTYPE_BF16, 1, 0, 0, 1, seed + 3, 4096, 256);     /* t = T */
     missing_rank_case(4, 2, seed + 4, HEP_CHUNK_DEFAULT);
+}
+
+/* A rank alone with many SMs: HEP_DISPATCH_STORES=auto takes plain stores sharing the
+ * rank's tokens through its counter from 48 SMs with 2.5 tokens a warp or more of
+ * max_tokens (64 SMs, T = 4096), and the bulk ring below that share (64 SMs at T = 2048,
+ * 128 SMs at T = 4096); each against the host backend and the oracle, twice a case. */
+static void gpu_lone_rank_with_many_sms_matches_host_backend_with_either_store_method(void **state)
+{
+    const unsigned seed = gpu_seed(0x27d4eb2fu);
+    int sms = 0;
+    (void)state;
+    if (small_only()) { /* under compute-sanitizer: 4096 rows of 14 KB at 64 SMs, too slow */
+        print_message("skipped: the small shapes only (HEP_GPU_TEST_SMALL)\n");
+        skip();
+    }
+    assert_int_equal(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+    g_case_sms = 64;
+    one_case(1, HEP_DTYPE_BF16, 0, 0, 0, 1, seed, 7168, 4096);          /* plain */
+    one_case(1, HEP_DTYPE_FP8_E4M3, 1, 1, 1, -1, seed + 1, 7168, 4096); /* plain, random t */
+    one_case(1, HEP_DTYPE_BF16, 0, 0, 0, 1, seed + 2, 7168, 2048);      /* bulk */
+    if (sms >= 128) {
+        g_case_sms = 128;
+        one_case(1, HEP_DTYPE_BF16, 0, 1, 0, 1, seed + 3, 7168, 4096); /* bulk */
+    } else {
+        print_message("the 128-SM case skipped: this GPU has %d SMs\n", sms);
+    }
+}
+
+static int case_sms_reset(void **state)
+{
+    (void)state;
+    g_case_sms = 0;
+    return 0;
 }
 
 static void gpu_dispatch_times_out_naming_the_rank_that_never_called(void **state)
@@ -1254,6 +1292,9 @@ int main(void)
         cmocka_unit_test_setup_teardown(
             gpu_bulk_dispatch_kernel_matches_host_backend_and_names_a_missing_rank,
             bulk_stores_on, bulk_stores_off),
+        cmocka_unit_test_teardown(
+            gpu_lone_rank_with_many_sms_matches_host_backend_with_either_store_method,
+            case_sms_reset),
         cmocka_unit_test(gpu_virtual_nodes_time_out_naming_the_missing_rank_on_every_rank),
         cmocka_unit_test(gpu_virtual_nodes_rings_time_out_naming_the_missing_rank_on_every_rank),
         cmocka_unit_test(gpu_virtual_nodes_rings_time_out_naming_the_peer_that_holds_its_credits),
