@@ -87,7 +87,6 @@ static void use_ring(hep_backend_ctx *g, int phase)
  * rank's GPU and their staging fits the shared memory, except for a rank alone on one node
  * whose kernel has 48 SMs or more and whose max_tokens gives each warp 2.5 tokens or more. */
 #define STORES_PLAIN_SMS 48    /* plain stores' rank counter from this many SMs on ... */
-#define STORES_WARPS_A_SM 16   /* (dispatch.cu's DISPATCH_THREADS / 32) */
 #define STORES_TOKENS_X2 5     /* ... with 5/2 tokens a warp or more */
 static int choose_stores(hep_backend_ctx *g)
 {
@@ -103,7 +102,7 @@ static int choose_stores(hep_backend_ctx *g)
     const int sms = g->cfg->dispatch_sms,
               counter = g->R == 1 && g->N == 1 && sms >= STORES_PLAIN_SMS &&
                         2LL * g->cfg->max_tokens >=
-                            (long long)STORES_TOKENS_X2 * STORES_WARPS_A_SM * sms;
+                            (long long)STORES_TOKENS_X2 * (HEP_DISPATCH_THREADS / 32) * sms;
     g->dispatch_bulk =
         mode == HEP_STORES_BULK || (mode == HEP_STORES_AUTO && alone && fits && !counter);
     hep_log(HEP_LOG_DEBUG, "rank %d: dispatch stores: %s (HEP_DISPATCH_STORES=%s%s)", g->rank,

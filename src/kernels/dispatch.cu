@@ -32,7 +32,7 @@ namespace HEP_DISPATCH_NAME(hep_dispatch) {
 /* Tuning (bench/NOTES.md has what was measured): threads per block; 16-byte vectors per
  * lane in flight (DU); a row is cut into equal passes of at most 32 x DU vectors. */
 #ifndef DISPATCH_THREADS
-#define DISPATCH_THREADS 512
+#define DISPATCH_THREADS HEP_DISPATCH_THREADS
 #endif
 #ifndef DU
 #define DU 14

@@ -100,6 +100,10 @@
 #define HEP_WORK_DISPATCH_DONE 3 /* its blocks done with it: the last one resets both */
 #define HEP_WORK_WORDS 4
 
+/* Threads of a dispatch block (dispatch.cu's DISPATCH_THREADS unless a tuning build sets
+ * its own); the host's choice of store method counts the warps from it. */
+#define HEP_DISPATCH_THREADS 512
+
 /* A handle's expert-major words (device ints): rows written (padding included), 1 if rows
  * went past the budget, token rows dropped; then from HEP_EM_WORDS, per local expert e,
  * [2e] the end of its data rows and [2e + 1] the end of its padding, clipped to the budget. */
