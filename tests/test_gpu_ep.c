@@ -649,7 +649,32 @@ static void gpu_bulk_dispatch_kernel_matches_host_backend_and_names_a_missing_ra
 /* A rank alone with many SMs: HEP_DISPATCH_STORES=auto takes plain stores sharing the
  * rank's tokens through its counter from 48 SMs with 2.5 tokens a warp or more of
  * max_tokens (64 SMs, T = 4096), and the bulk ring below that share (64 SMs at T = 2048,
- * 128 SMs at T = 4096); each against the host backend and the oracle, twice a case. */
+ * 128 SMs at T = 4096); each against the host backend and the oracle, twice a case, and the
+ * method the group chose read from its debug log line. */
+static void keep_stores_line(void *ctx, int level, const char *line)
+{
+    const char *p = strstr(line, "dispatch stores: ");
+    (void)level;
+    if (p)
+        snprintf((char *)ctx, 64, "%s", p + strlen("dispatch stores: "));
+}
+
+static void lone_rank_case(int sms, hep_dtype dt, int skew, int index64, int zero_copy, int tmode,
+                           unsigned seed, int T, const char *want)
+{
+    char seen[64] = "";
+    g_case_sms = sms;
+    setenv("HEP_LOG_LEVEL", "debug", 1);
+    hep_env_reload();
+    hep_log_set_sink(keep_stores_line, seen);
+    one_case(1, dt, skew, index64, zero_copy, tmode, seed, 7168, T);
+    hep_log_set_sink(NULL, NULL);
+    unsetenv("HEP_LOG_LEVEL");
+    hep_env_reload();
+    print_message("%d SMs, T = %d: dispatch stores: %s\n", sms, T, seen);
+    assert_true(strncmp(seen, want, strlen(want)) == 0 && seen[strlen(want)] == ' ');
+}
+
 static void gpu_lone_rank_with_many_sms_matches_host_backend_with_either_store_method(void **state)
 {
     const unsigned seed = gpu_seed(0x27d4eb2fu);
@@ -660,22 +685,22 @@ static void gpu_lone_rank_with_many_sms_matches_host_backend_with_either_store_m
         skip();
     }
     assert_int_equal(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
-    g_case_sms = 64;
-    one_case(1, HEP_DTYPE_BF16, 0, 0, 0, 1, seed, 7168, 4096);          /* plain */
-    one_case(1, HEP_DTYPE_FP8_E4M3, 1, 1, 1, -1, seed + 1, 7168, 4096); /* plain, random t */
-    one_case(1, HEP_DTYPE_BF16, 0, 0, 0, 1, seed + 2, 7168, 2048);      /* bulk */
-    if (sms >= 128) {
-        g_case_sms = 128;
-        one_case(1, HEP_DTYPE_BF16, 0, 1, 0, 1, seed + 3, 7168, 4096); /* bulk */
-    } else {
+    lone_rank_case(64, HEP_DTYPE_BF16, 0, 0, 0, 1, seed, 4096, "plain");
+    lone_rank_case(64, HEP_DTYPE_FP8_E4M3, 1, 1, 1, -1, seed + 1, 4096, "plain"); /* random t */
+    lone_rank_case(64, HEP_DTYPE_BF16, 0, 0, 0, 1, seed + 2, 2048, "bulk");
+    if (sms >= 128)
+        lone_rank_case(128, HEP_DTYPE_BF16, 0, 1, 0, 1, seed + 3, 4096, "bulk");
+    else
         print_message("the 128-SM case skipped: this GPU has %d SMs\n", sms);
-    }
 }
 
-static int case_sms_reset(void **state)
+static int case_sms_reset(void **state) /* also after a failed assertion in the case */
 {
     (void)state;
     g_case_sms = 0;
+    hep_log_set_sink(NULL, NULL);
+    unsetenv("HEP_LOG_LEVEL");
+    hep_env_reload();
     return 0;
 }
 
