@@ -828,6 +828,18 @@ __device__ __forceinline__ void dispatch_end(const hep_kargs &a, unsigned long l
     ltrace_print(a, own);
 }
 
+// One node, rank-major, block 0: the layout's outputs (the row bases in meta, what the rank
+// receives, tokens per expert, the capacity's outcome, the host's counts and the timer).
+__device__ __forceinline__ void own_outputs(const hep_kargs &a, unsigned long long e,
+                                            const layout_smem &s, unsigned long long t_start,
+                                            unsigned long long t_layout)
+{
+    for (int d = threadIdx.x; d < a.R; d += blockDim.x)
+        a.meta[d] = s.base[d];
+    layout_finish(a, e, s);
+    layout_report(a, s, t_start, t_layout);
+}
+
 // EM: the expert-major layout (kernels/expert_major.cuh); the rank-major kernel is the
 // EM = false instance, its loops untouched. NODES: N > 1 (the rings' code is in these
 // instances only, so that it takes no registers from the one-node instances).
@@ -942,12 +954,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         const unsigned long long t_layout = now_ns();
         LTRACE(9);
 #if FINISH_FIRST
-        if (b == 0) {
-            for (int d = tid; d < R; d += blockDim.x)
-                a.meta[d] = s.base[d];
-            layout_finish(a, e, s);
-            layout_report(a, s, t_start, t_layout);
-        }
+        if (b == 0)
+            own_outputs(a, e, s, t_start, t_layout);
 #endif
         BTRACE(1);
         if (!over)
@@ -959,12 +967,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         if (pre_all) /* the last block done with the counter resets it for the next call */
             work_done(a.work + HEP_WORK_DISPATCH, 1, a.work + HEP_WORK_DISPATCH_DONE);
 #if !FINISH_FIRST
-        if (b == 0) {
-            for (int d = tid; d < R; d += blockDim.x)
-                a.meta[d] = s.base[d];
-            layout_finish(a, e, s);
-            layout_report(a, s, t_start, t_layout);
-        }
+        if (b == 0)
+            own_outputs(a, e, s, t_start, t_layout);
 #endif
         BTRACE(2);
         dispatch_end(a, e, true, s_solo);
