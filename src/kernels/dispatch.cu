@@ -31,16 +31,16 @@ namespace HEP_DISPATCH_NAME(hep_dispatch) {
 
 /* Tuning (bench/NOTES.md has what was measured): threads per block; 16-byte vectors per
  * lane in flight (DU); a row is cut into equal passes of at most 32 x DU vectors. */
-/* FINISH_FIRST (tuning, off): one node, rank-major, block 0 writes the layout's outputs
- * (layout_finish, layout_report) before its own push instead of after it. */
-#ifndef FINISH_FIRST
-#define FINISH_FIRST 0
-#endif
 #ifndef DISPATCH_THREADS
 #define DISPATCH_THREADS HEP_DISPATCH_THREADS
 #endif
 #ifndef DU
 #define DU 14
+#endif
+/* FINISH_FIRST (tuning, off): one node, rank-major, block 0 writes the layout's outputs
+ * (layout_finish, layout_report) before its own push instead of after it. */
+#ifndef FINISH_FIRST
+#define FINISH_FIRST 0
 #endif
 #ifdef HEP_STREAMING_STORES /* evict-first: the rows are not read again by this kernel */
 #define ST_ROW(p, v) __stcs((p), (v))
