@@ -651,18 +651,20 @@ static void gpu_bulk_dispatch_kernel_matches_host_backend_and_names_a_missing_ra
  * max_tokens (64 SMs, T = 4096), and the bulk ring below that share (64 SMs at T = 2048,
  * 128 SMs at T = 4096); each against the host backend and the oracle, twice a case, and the
  * method the group chose read from its debug log line. */
+enum { STORES_LINE = 64 }; /* the chosen method's line kept by keep_stores_line */
+
 static void keep_stores_line(void *ctx, int level, const char *line)
 {
     const char *p = strstr(line, "dispatch stores: ");
     (void)level;
     if (p)
-        snprintf((char *)ctx, 64, "%s", p + strlen("dispatch stores: "));
+        snprintf((char *)ctx, STORES_LINE, "%s", p + strlen("dispatch stores: "));
 }
 
 static void lone_rank_case(int sms, hep_dtype dt, int skew, int index64, int zero_copy, int tmode,
                            unsigned seed, int T, const char *want)
 {
-    char seen[64] = "";
+    char seen[STORES_LINE] = "";
     g_case_sms = sms;
     setenv("HEP_LOG_LEVEL", "debug", 1);
     hep_env_reload();
