@@ -38,7 +38,9 @@ hep_report_optional() {
     if [ ! -f /usr/include/infiniband/verbs.h ]; then
         echo "== optional: no libibverbs headers: the verbs NIC is left out, the loopback NIC is built (apt-get install libibverbs-dev)"
     fi
-    if ! ls /usr/lib/*/libibverbs.so.1 /usr/lib/libibverbs.so.1 >/dev/null 2>&1; then
+    # the dynamic loader's own list (an `ls` of several paths fails when any one is absent;
+    # grep -q would end the pipe early, which pipefail counts as a failure)
+    if ! /sbin/ldconfig -p 2>/dev/null | grep "libibverbs\.so\.1 " >/dev/null; then
         echo "== optional: no libibverbs.so.1 at run time: only the loopback NIC works (apt-get install libibverbs1)"
     fi
     if ! command -v nvcc >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvcc ]; then
