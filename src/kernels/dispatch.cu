@@ -37,11 +37,6 @@ namespace HEP_DISPATCH_NAME(hep_dispatch) {
 #ifndef DU
 #define DU 14
 #endif
-/* FINISH_FIRST (tuning, off): one node, rank-major, block 0 writes the layout's outputs
- * (layout_finish, layout_report) before its own push instead of after it. */
-#ifndef FINISH_FIRST
-#define FINISH_FIRST 0
-#endif
 #ifdef HEP_STREAMING_STORES /* evict-first: the rows are not read again by this kernel */
 #define ST_ROW(p, v) __stcs((p), (v))
 #else
@@ -953,10 +948,6 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         const bool over = over_capacity(a, s.tot) >= 0 && !a.drop;
         const unsigned long long t_layout = now_ns();
         LTRACE(9);
-#if FINISH_FIRST
-        if (b == 0)
-            own_outputs(a, e, s, t_start, t_layout);
-#endif
         BTRACE(1);
         if (!over)
             push_list(a, list_of(a, a.node), a.node, s_x, s_prob, s_scale, &s_grab,
@@ -966,10 +957,8 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         BTRACE_WARP();
         if (pre_all) /* the last block done with the counter resets it for the next call */
             work_done(a.work + HEP_WORK_DISPATCH, 1, a.work + HEP_WORK_DISPATCH_DONE);
-#if !FINISH_FIRST
         if (b == 0)
             own_outputs(a, e, s, t_start, t_layout);
-#endif
         BTRACE(2);
         dispatch_end(a, e, true, s_solo);
 #ifdef HEP_BLOCK_TRACE
