@@ -37,16 +37,6 @@ namespace HEP_DISPATCH_NAME(hep_dispatch) {
 #ifndef DU
 #define DU 14
 #endif
-/* IDS_EARLY (tuning, off): one node, rank-major, each thread loads its first tile's routing
- * ids into registers at entry (for the scan) instead of prefetching their lines into L2.
- * TAIL_ONE_STORE (tuning, off): each probability of a token's row at a destination is
- * stored once (its value or zero), not zeroed and then overwritten by the slot's lane. */
-#ifndef IDS_EARLY
-#define IDS_EARLY 0
-#endif
-#ifndef TAIL_ONE_STORE
-#define TAIL_ONE_STORE 0
-#endif
 #ifdef HEP_STREAMING_STORES /* evict-first: the rows are not read again by this kernel */
 #define ST_ROW(p, v) __stcs((p), (v))
 #else
@@ -236,27 +226,11 @@ __device__ __forceinline__ void token_tail(const hep_kargs &a, const lview &v, i
         const int d = __ffs(mm) - 1;
         const int r = __shfl_sync(FULL, m.row, d);
         float *prob = s_prob[d] + (size_t)r * El;
-#if TAIL_ONE_STORE
-        /* the slots whose expert is at d (one writer a distinct expert) */
-        const unsigned wm = __ballot_sync(FULL, m.writer && m.kd == d);
-        for (int j0 = 0; j0 < El; j0 += 32) {
-            float val = 0.f;
-            for (unsigned q = wm; q; q &= q - 1) {
-                const int src = __ffs(q) - 1;
-                const int ex = __shfl_sync(FULL, m.ke, src);
-                const float p = __shfl_sync(FULL, m.pk, src);
-                val = ex == j0 + lane ? p : val;
-            }
-            if (j0 + lane < El)
-                prob[j0 + lane] = val;
-        }
-#else
         for (int j = lane; j < El; j += 32)
             prob[j] = 0.f;
         __syncwarp(); /* orders the zeros before the slots' values, lane to lane */
         if (m.writer && m.kd == d)
             prob[m.ke] = m.pk;
-#endif
         if (m.vec_scale) {
             if (lane < a.nscale / 4)
                 ((float4 *)(s_scale[d] + (size_t)r * a.nscale))[lane] = m.sc;
@@ -881,17 +855,6 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         s_grab = 0; /* the layout step's barriers (grid_arrive's too) come before push_list */
     /* one node, rank-major: the first tile's routing ids fetched into L2 before anything
      * else, so that their DRAM round trip overlaps the epoch's load and the tables' */
-#if IDS_EARLY
-    first_ids ids0;
-    if (!EM && !NODES && !a.reuse && a.K <= 8) {
-        int t0, t1;
-        block_range(a.t, b, S, t0, t1);
-        const int i = t0 + tid;
-#pragma unroll
-        for (int k = 0; k < 8; k++)
-            ids0.x[k] = k < a.K && i < t1 ? topk_at(a, i, k) : -1;
-    }
-#else
     if (!EM && !NODES && !a.reuse) {
         int t0, t1;
         block_range(a.t, b, S, t0, t1);
@@ -903,7 +866,6 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
             asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
         }
     }
-#endif
 #ifdef HEP_BLOCK_TRACE
     unsigned long long bt[4] = {0, 0, 0, 0};
     __shared__ unsigned long long bt_w[2];
@@ -970,11 +932,7 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         // destinations' totals from them in one round of loads. Its positions become
         // rank-wide as its tokens are pushed; block 0 writes the layout's outputs after its
         // own push.
-#if IDS_EARLY
-        scan_list(a, list_of(a, a.node), a.node, true, s, mine, true, &ids0); /* read if K <= 8 */
-#else
         scan_list(a, list_of(a, a.node), a.node, true, s, mine, true);
-#endif
         LTRACE(1);
         arrive_publish(a, e);
         LTRACE(2);

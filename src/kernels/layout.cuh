@@ -75,14 +75,8 @@ static __device__ __noinline__ void record_bad_id(hep_diag *diag, int i, int k, 
 // rank-wide by rebase) and its totals (block_counts); with `count`, the list's
 // per-(destination, expert) counts are added to the published counts `mine`. An own id
 // outside -1..E-1 is recorded (once) and its slot ignored.
-// IDS_EARLY (tuning, off): `ids0` holds this thread's token's ids of the block's first tile,
-// loaded at the kernel's entry (dispatch.cu), in place of loading them here.
-struct first_ids {
-    long long x[8];
-};
 static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool count,
-                          const layout_smem &s, int *mine, bool totals = false,
-                          const first_ids *ids0 = NULL)
+                          const layout_smem &s, int *mine, bool totals = false)
 {
     const int R = a.R, El = a.El, tid = threadIdx.x, S = gridDim.x, b = blockIdx.x;
     const long long E = (long long)El * R * a.N, first = (long long)a.rank0 * El;
@@ -109,7 +103,7 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
             for (int k = 0; k < 8; k++) {
                 key[k] = -1;
                 if (k < v.K && i < t1) {
-                    const long long x = ids0 && tile == t0 ? ids0->x[k] : list_id(a, v, i, k);
+                    const long long x = list_id(a, v, i, k);
                     if (x < -1 || x >= E)
                         record_bad_id(a.diag, i, k, x);
                     else if (x >= first && x < first + (long long)R * El)
