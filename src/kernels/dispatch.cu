@@ -782,6 +782,44 @@ __device__ bool ring_dispatch(const hep_kargs &a, unsigned long long e, bool ove
     return true;
 }
 
+// HEP_LAYOUT_PROBE (with HEP_LAYOUT_TRACE, a measurement build only): block 0's thread 0,
+// first thing in the kernel, times four dependent loads, each consumed before the next
+// stamp: a kernel parameter (the constant bank), the routing ids' first line (its page's
+// translation and the line), their second line (same page, a line no other block
+// prefetches: the line alone) and the first line again (an L2 hit). Tells a page walk
+// from the line's own latency in the ids step (bench/NOTES.md, session 27).
+#ifdef HEP_LAYOUT_PROBE
+static __device__ long long hep_lprobe[64][5];
+__device__ int hep_lprobe_sink; /* keeps each consuming branch */
+__device__ __forceinline__ unsigned probe_ld(const char *p)
+{
+    unsigned v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __noinline__ void layout_probe(const hep_kargs &a)
+{
+    long long *c = hep_lprobe[(a.rank0 + a.local) & 63];
+    c[0] = clock64();
+    const char *ids = (const char *)a.topk_idx; /* the parameter's load is the first step */
+    if ((size_t)ids == 1)
+        hep_lprobe_sink = 1;
+    c[1] = clock64();
+    unsigned v = probe_ld(ids);
+    if (v == 0x7fffffffu)
+        hep_lprobe_sink = 2;
+    c[2] = clock64();
+    v = probe_ld(ids + 128 + (v >> 31)); /* the second line: block 0's tokens only */
+    if (v == 0x7fffffffu)
+        hep_lprobe_sink = 3;
+    c[3] = clock64();
+    v = probe_ld(ids + (v >> 31));
+    if (v == 0x7fffffffu)
+        hep_lprobe_sink = 4;
+    c[4] = clock64();
+}
+#endif
+
 // HEP_LAYOUT_TRACE: block 0's cycles of each layout step (LTRACE stamps) and of the rest.
 // `self`: the blocks' own layout (one node, rank-major: the outputs written after the push,
 // steps 7 and 8 last).
@@ -790,6 +828,13 @@ __device__ __forceinline__ void ltrace_print(const hep_kargs &a, bool self)
 #ifdef HEP_LAYOUT_TRACE
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         const long long *tr = hep_ltrace[(a.rank0 + a.local) & 63], c0 = tr[0], end = clock64();
+#ifdef HEP_LAYOUT_PROBE
+        const long long *p = hep_lprobe[(a.rank0 + a.local) & 63];
+        printf("LPROBE rank %d S %d cycles: param %lld ids-line0 %lld ids-line1 %lld "
+               "line0-again %lld | probe end to scan start %lld\n",
+               a.rank0 + a.local, gridDim.x, p[1] - p[0], p[2] - p[1], p[3] - p[2],
+               p[4] - p[3], c0 - p[4]);
+#endif
         if (self)
             printf("LTRACE rank %d S %d cycles (own layout): scan %lld [zero %lld ids %lld "
                    "positions %lld counts %lld] arrive %lld mates %lld "
@@ -843,6 +888,10 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
 {
     if (a.warm)
         return;
+#ifdef HEP_LAYOUT_PROBE
+    if (!EM && !NODES && !a.reuse && blockIdx.x == 0 && threadIdx.x == 0)
+        layout_probe(a);
+#endif
     extern __shared__ int sm[];
     const int R = a.R, N = a.N, tid = threadIdx.x, S = gridDim.x, b = blockIdx.x;
     const layout_smem s = layout_smem_at(sm + STAGE_BYTES / sizeof(int), R, a.El);
