@@ -797,7 +797,7 @@ __device__ __forceinline__ unsigned probe_ld(const char *p)
     asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
-__device__ __noinline__ void layout_probe(const hep_kargs &a)
+__device__ __forceinline__ void layout_probe(const hep_kargs &a) /* the parameters read in place */
 {
     long long *c = hep_lprobe[(a.rank0 + a.local) & 63];
     c[0] = clock64();
