@@ -981,6 +981,12 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         // destinations' totals from them in one round of loads. Its positions become
         // rank-wide as its tokens are pushed; block 0 writes the layout's outputs after its
         // own push.
+#ifdef HEP_LAYOUT_TWICE
+        /* a measurement build only: a first pass with nothing counted (it writes the same
+         * positions and block counts the real one writes again), so that the traced pass
+         * runs with its code and its ids already fetched */
+        scan_list(a, list_of(a, a.node), a.node, false, s, mine, false);
+#endif
         scan_list(a, list_of(a, a.node), a.node, true, s, mine, true);
         LTRACE(1);
         arrive_publish(a, e);

@@ -71,6 +71,29 @@ static __device__ __noinline__ void record_bad_id(hep_diag *diag, int i, int k, 
     }
 }
 
+// IDS_COMPACT (a tuning switch, off): the own tokens' ids step with no call site inside its
+// unrolled loop (bench/NOTES.md, session 29: the step costs about 4.1k cycles at any T, its
+// ids already in L2).
+#ifndef IDS_COMPACT
+#define IDS_COMPACT 0
+#endif
+#if IDS_COMPACT
+// Token i's first id outside -1..E-1 recorded (own tokens). Off the scan's path; it takes
+// values, not the kernel's parameters by reference (that would copy them to local memory).
+static __device__ __noinline__ void record_first_bad(hep_diag *diag, const void *ids, bool index64,
+                                                     int K, int i, long long E)
+{
+    for (int k = 0; k < K; k++) {
+        const size_t o = (size_t)i * K + k;
+        const long long x = index64 ? ((const long long *)ids)[o] : (long long)((const int *)ids)[o];
+        if (x < -1 || x >= E) {
+            record_bad_id(diag, i, k, x);
+            return;
+        }
+    }
+}
+#endif
+
 // Block b's positions among its tokens of list L at each destination (dest_rows, made
 // rank-wide by rebase) and its totals (block_counts); with `count`, the list's
 // per-(destination, expert) counts are added to the published counts `mine`. An own id
@@ -99,6 +122,20 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
         // loop below (unrolled for every K, the code grew by 20-53 KB and was slower).
         if (v.K <= 8 && !v.slot) {
             int key[8];
+#if IDS_COMPACT
+            // IDS_COMPACT: the ids loaded and checked with no call on the path (one call
+            // site, taken only for a bad id; a key lies in this node's range, inside 0..E-1,
+            // so a bad id is never one)
+            bool bad = false;
+#pragma unroll
+            for (int k = 0; k < 8; k++) {
+                const long long x = k < v.K && i < t1 ? topk_at(a, i, k) : -1;
+                bad |= x < -1 || x >= E;
+                key[k] = x >= first && x < first + (long long)R * El ? (int)(x - first) : -1;
+            }
+            if (bad)
+                record_first_bad(a.diag, a.topk_idx, a.index64, a.K, i, E);
+#else
 #pragma unroll
             for (int k = 0; k < 8; k++) {
                 key[k] = -1;
@@ -110,6 +147,7 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
                         key[k] = (int)(x - first);
                 }
             }
+#endif
 #pragma unroll
             for (int k = 0; k < 8; k++) {
                 bool dup = false;
