@@ -77,6 +77,10 @@ static __device__ __noinline__ void record_bad_id(hep_diag *diag, int i, int k, 
 #ifndef IDS_COMPACT
 #define IDS_COMPACT 0
 #endif
+// IDS_VEC (with IDS_COMPACT; off): K = 8 ids as 16-byte vector loads where aligned.
+#ifndef IDS_VEC
+#define IDS_VEC 0
+#endif
 #if IDS_COMPACT
 // Token i's first id outside -1..E-1 recorded (own tokens). Off the scan's path; it takes
 // values, not the kernel's parameters by reference (that would copy them to local memory).
@@ -127,9 +131,32 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
             // site, taken only for a bad id; a key lies in this node's range, inside 0..E-1,
             // so a bad id is never one)
             bool bad = false;
+#if IDS_VEC
+            // IDS_VEC: K = 8 ids read as 16-byte vectors with no branch between the loads
+            // (a load in a basic block of its own each may be a chain of L2 round trips)
+            long long xv[8];
+            const bool vec = v.K == 8 && i < t1 && ((size_t)a.topk_idx & 15) == 0;
+            if (vec) {
+                if (a.index64) {
+                    const longlong2 *p = (const longlong2 *)a.topk_idx + (size_t)i * 4;
+                    const longlong2 q0 = p[0], q1 = p[1], q2 = p[2], q3 = p[3];
+                    xv[0] = q0.x, xv[1] = q0.y, xv[2] = q1.x, xv[3] = q1.y;
+                    xv[4] = q2.x, xv[5] = q2.y, xv[6] = q3.x, xv[7] = q3.y;
+                } else {
+                    const int4 *p = (const int4 *)a.topk_idx + (size_t)i * 2;
+                    const int4 q0 = p[0], q1 = p[1];
+                    xv[0] = q0.x, xv[1] = q0.y, xv[2] = q0.z, xv[3] = q0.w;
+                    xv[4] = q1.x, xv[5] = q1.y, xv[6] = q1.z, xv[7] = q1.w;
+                }
+            }
+#endif
 #pragma unroll
             for (int k = 0; k < 8; k++) {
+#if IDS_VEC
+                const long long x = vec ? xv[k] : k < v.K && i < t1 ? topk_at(a, i, k) : -1;
+#else
                 const long long x = k < v.K && i < t1 ? topk_at(a, i, k) : -1;
+#endif
                 bad |= x < -1 || x >= E;
                 key[k] = x >= first && x < first + (long long)R * El ? (int)(x - first) : -1;
             }
