@@ -560,6 +560,70 @@ static void gpu_sixteen_virtual_nodes_on_one_gpu_match_host_backend(void **state
     hep_env_reload();
 }
 
+static void set_id(ep_case *c, int r, int i, int k, long long x)
+{
+    const size_t o = (size_t)i * (size_t)c->K + (size_t)k;
+    if (c->index64)
+        ((long long *)c->in[r].idx)[o] = x;
+    else
+        ((int *)c->in[r].idx)[o] = (int)x;
+}
+
+/* Expert ids outside -1..E-1 on the GPU (one a rank, on ranks 1 and 2): the rank that
+ * passed it gets HEP_WARN_IGNORED naming the token, slot and value, every other rank
+ * HEP_OK, and every output is the oracle's with that slot -1. K = 8 with ids in
+ * cudaMalloc'ed memory takes the layout's vector loads; K = 6 the per-id loads. */
+static void invalid_id_case(int K, int index64, unsigned seed)
+{
+    static ep_case c;
+    rank_ctx ctx[EP_MAX_RANKS];
+    const int R = 4, El = 4, T = 64;
+    const long long E = (long long)R * El;
+    const long long bad[2] = {index64 ? (1LL << 40) + 3 : E + 7, -2};
+    const int at[2][3] = {{1, 5, 3}, {2, 0, K - 1}}; /* rank, token, slot */
+    memset(&c, 0, sizeof(c));
+    c.cfg = gcfg(256, T, El, K, HEP_DTYPE_BF16, R);
+    c.cfg.backend = HEP_BACKEND_GPU;
+    c.world = R;
+    c.K = K;
+    c.index64 = index64;
+    c.skip_rank = -1;
+    c.repeat = 2;
+    c.has_t_fixed = 1;
+    c.t_fixed = T;
+    ep_case_random(&c, seed, 0);
+    for (int q = 0; q < 2; q++)
+        set_id(&c, at[q][0], at[q][1], at[q][2], bad[q]);
+    assert_int_equal(run_ranks(c.world, run_rank_gpu, &c, ctx), 0);
+    for (int r = 0; r < R; r++) {
+        const int q = r == at[0][0] ? 0 : r == at[1][0] ? 1 : -1;
+        char want[96] = "";
+        if (q >= 0)
+            snprintf(want, sizeof(want), "on rank %d: topk_idx[%d][%d] = %lld is not -1", r,
+                     at[q][1], at[q][2], bad[q]);
+        print_message("K %d %s rank %d: %s %s\n", K, index64 ? "int64" : "int32", r,
+                      hep_status_name(c.out[r].rc_dispatch), q >= 0 ? c.out[r].err : "");
+        assert_int_equal(c.out[r].rc_dispatch, q >= 0 ? HEP_WARN_IGNORED : HEP_OK);
+        assert_int_equal(c.out[r].rc_combine, HEP_OK);
+        if (q >= 0)
+            assert_non_null(strstr(c.out[r].err, want));
+    }
+    for (int q = 0; q < 2; q++) /* the oracle ignores those slots too */
+        set_id(&c, at[q][0], at[q][1], at[q][2], -1);
+    assert_int_equal(ep_case_check(&c), 0);
+    ep_case_free(&c);
+}
+
+static void gpu_invalid_expert_id_is_a_warning_naming_it_and_its_slot_is_ignored(void **state)
+{
+    const unsigned seed = gpu_seed(0x1d5u);
+    (void)state;
+    invalid_id_case(8, 0, seed);
+    invalid_id_case(8, 1, seed + 1);
+    invalid_id_case(6, 0, seed + 2);
+    invalid_id_case(6, 1, seed + 3);
+}
+
 static void gpu_graph_replay_gives_the_eager_results(void **state)
 {
     static ep_case c;
@@ -1315,6 +1379,7 @@ int main(void)
         cmocka_unit_test(gpu_virtual_nodes_rings_of_chunks_match_host_backend),
         cmocka_unit_test(gpu_many_nodes_beyond_one_warp_match_host_backend),
         cmocka_unit_test(gpu_graph_replay_gives_the_eager_results),
+        cmocka_unit_test(gpu_invalid_expert_id_is_a_warning_naming_it_and_its_slot_is_ignored),
         cmocka_unit_test(gpu_dispatch_times_out_naming_the_rank_that_never_called),
         cmocka_unit_test_setup_teardown(
             gpu_bulk_dispatch_kernel_matches_host_backend_and_names_a_missing_rank,
