@@ -71,19 +71,10 @@ static __device__ __noinline__ void record_bad_id(hep_diag *diag, int i, int k, 
     }
 }
 
-// IDS_COMPACT (a tuning switch, off): the own tokens' ids step with no call site inside its
-// unrolled loop (bench/NOTES.md, session 29: the step costs about 4.1k cycles at any T, its
-// ids already in L2).
-#ifndef IDS_COMPACT
-#define IDS_COMPACT 0
-#endif
-// IDS_VEC (with IDS_COMPACT; off): K = 8 ids as 16-byte vector loads where aligned.
-#ifndef IDS_VEC
-#define IDS_VEC 0
-#endif
-#if IDS_COMPACT
-// Token i's first id outside -1..E-1 recorded (own tokens). Off the scan's path; it takes
-// values, not the kernel's parameters by reference (that would copy them to local memory).
+// Token i's first id outside -1..E-1 recorded (own tokens). Off the scan's path (its one
+// call site is taken only for a bad id); it takes values, not the kernel's parameters by
+// reference (that would copy them to local memory: a 2 KB stack frame in every dispatch
+// kernel).
 static __device__ __noinline__ void record_first_bad(hep_diag *diag, const void *ids, bool index64,
                                                      int K, int i, long long E)
 {
@@ -96,7 +87,6 @@ static __device__ __noinline__ void record_first_bad(hep_diag *diag, const void 
         }
     }
 }
-#endif
 
 // Block b's positions among its tokens of list L at each destination (dest_rows, made
 // rank-wide by rebase) and its totals (block_counts); with `count`, the list's
@@ -126,14 +116,12 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
         // loop below (unrolled for every K, the code grew by 20-53 KB and was slower).
         if (v.K <= 8 && !v.slot) {
             int key[8];
-#if IDS_COMPACT
-            // IDS_COMPACT: the ids loaded and checked with no call on the path (one call
-            // site, taken only for a bad id; a key lies in this node's range, inside 0..E-1,
-            // so a bad id is never one)
+            // The ids loaded and checked with no call on the path (a key lies in this
+            // node's range, inside 0..E-1, so a bad id is never one). With K = 8 and
+            // 16-byte aligned ids they are read as two (int32) or four (int64) vectors with
+            // no branch between the loads: one load a basic block each issued as a chain
+            // of L2 round trips (bench/NOTES.md, sessions 29-30).
             bool bad = false;
-#if IDS_VEC
-            // IDS_VEC: K = 8 ids read as 16-byte vectors with no branch between the loads
-            // (a load in a basic block of its own each may be a chain of L2 round trips)
             long long xv[8];
             const bool vec = v.K == 8 && i < t1 && ((size_t)a.topk_idx & 15) == 0;
             if (vec) {
@@ -149,32 +137,14 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
                     xv[4] = q1.x, xv[5] = q1.y, xv[6] = q1.z, xv[7] = q1.w;
                 }
             }
-#endif
 #pragma unroll
             for (int k = 0; k < 8; k++) {
-#if IDS_VEC
                 const long long x = vec ? xv[k] : k < v.K && i < t1 ? topk_at(a, i, k) : -1;
-#else
-                const long long x = k < v.K && i < t1 ? topk_at(a, i, k) : -1;
-#endif
                 bad |= x < -1 || x >= E;
                 key[k] = x >= first && x < first + (long long)R * El ? (int)(x - first) : -1;
             }
             if (bad)
                 record_first_bad(a.diag, a.topk_idx, a.index64, a.K, i, E);
-#else
-#pragma unroll
-            for (int k = 0; k < 8; k++) {
-                key[k] = -1;
-                if (k < v.K && i < t1) {
-                    const long long x = list_id(a, v, i, k);
-                    if (x < -1 || x >= E)
-                        record_bad_id(a.diag, i, k, x);
-                    else if (x >= first && x < first + (long long)R * El)
-                        key[k] = (int)(x - first);
-                }
-            }
-#endif
 #pragma unroll
             for (int k = 0; k < 8; k++) {
                 bool dup = false;
