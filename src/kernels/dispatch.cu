@@ -982,12 +982,18 @@ __global__ void __launch_bounds__(DISPATCH_THREADS, 1) HEP_DISPATCH_NAME(k_dispa
         // rank-wide as its tokens are pushed; block 0 writes the layout's outputs after its
         // own push.
 #ifdef HEP_LAYOUT_TWICE
-        /* a measurement build only: a first pass with nothing counted (it writes the same
-         * positions and block counts the real one writes again), so that the traced pass
-         * runs with its code and its ids already fetched */
-        scan_list(a, list_of(a, a.node), a.node, false, s, mine, false);
-#endif
+        /* a measurement build only: the same machine code run twice, the traced pass (its
+         * stamps written last) the second, which runs with its code and its ids already
+         * fetched. One copy of the scan: a loop that is not unrolled, its flags runtime
+         * values (two calls would inline two copies, and the second pass would fetch its
+         * own code cold). The first pass counts nothing (it writes the same positions and
+         * block counts the real one writes again). */
+#pragma unroll 1
+        for (int pass = a.T < 0 ? 1 : 0; pass < 2; pass++)
+            scan_list(a, list_of(a, a.node), a.node, pass == 1, s, mine, pass == 1);
+#else
         scan_list(a, list_of(a, a.node), a.node, true, s, mine, true);
+#endif
         LTRACE(1);
         arrive_publish(a, e);
         LTRACE(2);
