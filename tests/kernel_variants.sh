@@ -15,6 +15,7 @@ for v in "dispatch_bulk.cu HEP_STRIDED_TOKENS" "dispatch_bulk.cu HEP_LAYOUT_TRAC
          "dispatch.cu HEP_BLOCK_TRACE" "dispatch.cu NODES_RGRAB=0" "dispatch.cu NODES_FGRAB=0" \
          "dispatch.cu HEP_STREAMING_STORES" "dispatch.cu HEP_LAYOUT_TRACE" "dispatch.cu DU=8" \
          "dispatch.cu HEP_LAYOUT_TRACE HEP_LAYOUT_PROBE" "dispatch.cu HEP_LAYOUT_TRACE HEP_LAYOUT_TWICE" \
+         "dispatch.cu MASK_MAGIC=1" "dispatch_bulk.cu MASK_MAGIC=1" \
          "combine.cu HEP_STATIC_TOKENS" "combine.cu HEP_STREAMING_LOADS" "combine.cu COMBINE_CD=2" \
          "dispatch.cu HEP_NODE_TRACE" "combine.cu HEP_NODE_TRACE" "node_pack.cu HEP_NODE_TRACE" \
          "dispatch.cu HEP_NO_TOKEN_TAIL" "dispatch_bulk.cu HEP_NO_TOKEN_TAIL"; do
