@@ -96,7 +96,8 @@ if want san; then
       done
     done
   } > "$OUT/sanitizer.txt" 2>&1
-  grep -E "===|SUMMARY|FAILED|PASSED|exit" "$OUT/sanitizer.txt" | grep -v "^=== *$" | tail -16
+  # every binary's summary (a run cut by the call's bound still shows the earlier ones)
+  grep -E "===|SUMMARY|FAILED|PASSED|exit" "$OUT/sanitizer.txt" | grep -v "^=== *$" | head -60
 fi
 if want sweep; then
   {
