@@ -88,13 +88,17 @@ static __device__ __noinline__ void record_first_bad(hep_diag *diag, const void 
     }
 }
 
-// MASK_MAGIC (a tuning switch, off): a key's destination key / El as a multiply-high by
-// ceil(2^32 / El) instead of eight runtime divisions (about 180 instructions, 2.9 KB of the
-// one-node kernel's code on the scan's path). Exact for key < R * El whenever
-// R * El * El < 2^32, which the shared-memory bound of the layout (R * El counters in
-// 200 KB) guarantees: R * El <= 51200, El <= 51200.
+// MASK_MAGIC (a tuning switch, off): a key's destination key / El as a multiply-high
+// (kernels/divmagic.h, exact for every key and E_l the layout's shared memory allows)
+// instead of eight runtime divisions (about 180 instructions, 2.9 KB of the one-node
+// kernel's code on the scan's path), and the counts' destinations the same way. The factor
+// is one 32-bit division; its first form, a 64-bit division, cost 0.35-0.6k cycles
+// (bench/NOTES.md, session 31).
 #ifndef MASK_MAGIC
 #define MASK_MAGIC 0
+#endif
+#if MASK_MAGIC
+#include "kernels/divmagic.h"
 #endif
 
 // Block b's positions among its tokens of list L at each destination (dest_rows, made
@@ -110,7 +114,7 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
     int t0, t1;
     block_range(v.t, b, S, t0, t1);
 #if MASK_MAGIC
-    const unsigned long long el_magic = (0x100000000ull + (unsigned)El - 1) / (unsigned)El;
+    const unsigned long long el_magic = hep_div_magic((unsigned)El);
 #endif
     for (int j = tid; j < R * El; j += blockDim.x)
         s.cnt[j] = 0;
@@ -165,7 +169,7 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
                     dup |= key[q] == key[k];
                 if (key[k] >= 0) {
 #if MASK_MAGIC
-                    mask |= 1u << (unsigned)(((unsigned long long)key[k] * el_magic) >> 32);
+                    mask |= 1u << hep_div_by_magic((unsigned)key[k], el_magic);
 #else
                     mask |= 1u << (key[k] / El);
 #endif
@@ -208,7 +212,12 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
     if (count)
         for (int j = tid; j < R * El; j += blockDim.x)
             if (s.cnt[j])
+#if MASK_MAGIC /* (j / El) * (El + 1) + 1 + j % El = j + j / El + 1 */
+                atomicAdd(&mine[(size_t)L * LW + j + 1 + hep_div_by_magic((unsigned)j, el_magic)],
+                          s.cnt[j]);
+#else
                 atomicAdd(&mine[(size_t)L * LW + (j / El) * (El + 1) + 1 + j % El], s.cnt[j]);
+#endif
     for (int d = tid; d < R; d += blockDim.x) {
         a.block_counts[((size_t)L * S + b) * R + d] = s.run[d];
         if (totals && s.run[d]) /* the blocks' own layout: the list's totals summed here too */
