@@ -11,6 +11,7 @@
 #include "backend/backend.h"
 #include "bootstrap/stream.h"
 #include "core/core.h"
+#include "kernels/divmagic.h"
 #include "kernels/ep_kernels.h"
 #include "net/proxy.h"
 
@@ -144,6 +145,7 @@ static int gpu_setup(hep_backend_ctx *g)
     k->peers_sys = !g->mates_one_gpu;
     k->H = g->cfg->hidden;
     k->El = g->cfg->experts_per_rank;
+    k->el_magic = hep_div_magic((unsigned)k->El);
     k->esize = g->cfg->dtype == HEP_DTYPE_FP8_E4M3 ? 1 : 2;
     k->nscale = g->cfg->dtype == HEP_DTYPE_FP8_E4M3 ? g->cfg->hidden / HEP_FP8_BLOCK : 0;
     g->kargs = k;

@@ -220,6 +220,8 @@ typedef struct hep_kargs {
     unsigned long long timeout_ns;
     unsigned long long jitter_ns;    /* 0, or HEP_DEBUG_JITTER_US in ns: each block starts after a
                                         pseudo-random delay of 0..jitter_ns (stress runs) */
+    unsigned long long el_magic;     /* hep_div_magic(El) (kernels/divmagic.h): key / El as a
+                                        multiply-high in the dispatch layout */
     /* inputs */
     const void *tokens;
     const float *scales;

@@ -92,8 +92,8 @@ static __device__ __noinline__ void record_first_bad(hep_diag *diag, const void 
 // (kernels/divmagic.h, exact for every key and E_l the layout's shared memory allows)
 // instead of eight runtime divisions (about 180 instructions, 2.9 KB of the one-node
 // kernel's code on the scan's path), and the counts' destinations the same way. The factor
-// is one 32-bit division; its first form, a 64-bit division, cost 0.35-0.6k cycles
-// (bench/NOTES.md, session 31).
+// comes from the host (hep_kargs.el_magic); computed in the kernel by a 64-bit division
+// it cost 0.35-0.6k cycles (bench/NOTES.md, session 31).
 #ifndef MASK_MAGIC
 #define MASK_MAGIC 0
 #endif
@@ -114,7 +114,7 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
     int t0, t1;
     block_range(v.t, b, S, t0, t1);
 #if MASK_MAGIC
-    const unsigned long long el_magic = hep_div_magic((unsigned)El);
+    const unsigned long long el_magic = a.el_magic;
 #endif
     for (int j = tid; j < R * El; j += blockDim.x)
         s.cnt[j] = 0;
