@@ -205,8 +205,15 @@ __device__ __forceinline__ tok_meta token_meta(const hep_kargs &a, const lview &
         writer &= !(q < lane && x == myid);
     }
     m.writer = writer;
+#if MASK_MAGIC /* key / El by the host's multiply-high factor, not a 64-bit division */
+    const int key = here ? (int)(myid - first) : 0;
+    const int kd = (int)hep_div_by_magic((unsigned)key, a.el_magic);
+    m.kd = here ? kd : -1;
+    m.ke = here ? key - kd * El : 0;
+#else
     m.kd = here ? (int)((myid - first) / El) : -1;
     m.ke = here ? (int)((myid - first) % El) : 0;
+#endif
     /* the scan counted each (destination, expert) of the token once */
     if (dmask && drop_cnt && writer && ((dmask >> m.kd) & 1u))
         atomicSub(drop_cnt + m.kd * (El + 1) + 1 + m.ke, 1);

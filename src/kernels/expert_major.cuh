@@ -295,7 +295,11 @@ __device__ __forceinline__ void em_push_rows(const hep_kargs &a, const lview &v,
         const float w = __shfl_sync(FULL, myw, q);
         pk += x == myid ? w : 0.f;
     }
+#if MASK_MAGIC /* a lane with a row holds an expert of this node: 0 <= myid - first < R * El */
+    const int kd = row >= 0 ? (int)hep_div_by_magic((unsigned)(myid - first), a.el_magic) : 0;
+#else
     const int kd = row >= 0 ? (int)((myid - first) / El) : 0;
+#endif
     push_row<U>((const uint4 *)(v.tok + (size_t)i * rb), v.slot != 0, mask, kd, row, s_x, rb, nvec,
              per_pass);
     if (row >= 0)

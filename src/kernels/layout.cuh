@@ -91,9 +91,11 @@ static __device__ __noinline__ void record_first_bad(hep_diag *diag, const void 
 // MASK_MAGIC (a tuning switch, off): a key's destination key / El as a multiply-high
 // (kernels/divmagic.h, exact for every key and E_l the layout's shared memory allows)
 // instead of eight runtime divisions (about 180 instructions, 2.9 KB of the one-node
-// kernel's code on the scan's path), and the counts' destinations the same way. The factor
-// comes from the host (hep_kargs.el_magic); computed in the kernel by a 64-bit division
-// it cost 0.35-0.6k cycles (bench/NOTES.md, session 31).
+// kernel's code on the scan's path), and the same for the counts' destinations, the scan's
+// per-id path (slot lists, K > 8) and the push's (destination, expert) of a token's slot
+// (token_meta, em_push_rows: a 64-bit division there, 3 KB of code). The factor comes from
+// the host (hep_kargs.el_magic); computed in the kernel by a 64-bit division it cost
+// 0.35-0.6k cycles (bench/NOTES.md, session 31).
 #ifndef MASK_MAGIC
 #define MASK_MAGIC 0
 #endif
@@ -188,7 +190,12 @@ static __device__ void scan_list(const hep_kargs &a, const lview &v, int L, bool
                 }
                 if (x < first || x >= first + (long long)R * El)
                     continue; /* another node's expert */
+#if MASK_MAGIC
+                const int key = (int)(x - first);
+                const int d = (int)hep_div_by_magic((unsigned)key, el_magic), ex = key - d * El;
+#else
                 const int d = (int)((x - first) / El), ex = (int)((x - first) % El);
+#endif
                 bool dup = false;
                 for (int q = 0; q < k; q++)
                     dup |= list_id(a, v, i, q) == x;
