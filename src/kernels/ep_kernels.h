@@ -220,8 +220,6 @@ typedef struct hep_kargs {
     unsigned long long timeout_ns;
     unsigned long long jitter_ns;    /* 0, or HEP_DEBUG_JITTER_US in ns: each block starts after a
                                         pseudo-random delay of 0..jitter_ns (stress runs) */
-    unsigned long long el_magic;     /* hep_div_magic(El) (kernels/divmagic.h): key / El as a
-                                        multiply-high in the dispatch layout */
     /* inputs */
     const void *tokens;
     const float *scales;
@@ -336,6 +334,9 @@ typedef struct hep_kargs {
     int em_stage;
     long long em_xoff, em_poff, em_soff;
     int warm; /* 1: the warm-up launch of group creation (hep_kernels_warm): return at once */
+    /* hep_div_magic(El) (kernels/divmagic.h): key / El as a multiply-high (MASK_MAGIC). Last,
+     * so that the other fields keep their offsets in the kernels' machine code */
+    unsigned long long el_magic;
 } hep_kargs;
 
 #ifdef __cplusplus
